@@ -1,0 +1,48 @@
+# Unbroken: the two commands are `make demo` and `make test`; both set everything up first.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# The CPU wheel is the default where no GPU is present; override with TORCH_SPEC=... if needed.
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: install test demo bench lint fmt clean
+
+install: $(STAMP)
+
+# --system-site-packages lets a machine's preinstalled (CUDA) torch be used as is.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
+	@if $(PY) -c "import torch" 2>/dev/null; then \
+	  echo "using installed torch $$($(PY) -c 'import torch; print(torch.__version__)')"; \
+	elif command -v nvidia-smi >/dev/null 2>&1; then \
+	  echo "GPU found: installing CUDA torch"; $(PY) -m pip install -q torch; \
+	else \
+	  echo "no GPU: installing the CPU wheel $(TORCH_SPEC)"; $(PY) -m pip install -q "$(TORCH_SPEC)"; \
+	fi
+	$(PY) -m pip install -q -e '.[dev]'
+	@touch $(STAMP)
+
+# pytest's exit 5 (no tests collected) must fail, not pass silently.
+test: install
+	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
+
+demo: install
+	$(PY) -m examples.demo
+
+bench: install
+	$(PY) -m tests.benchmarks.run_all
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+fmt: install
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache runs

@@ -1,0 +1,46 @@
+"""Checkpointing's own configuration: the two tiers and where persistent checkpoints go.
+
+Plain pydantic, no torch, so the SDK can validate a job's `checkpoint` section.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+
+
+class S3Config(BaseModel):
+    """Optional explicit S3 settings; without them boto3's standard credential chain is used."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    endpoint_url: str | None = Field(None, description="e.g. http://127.0.0.1:8333 for a local server")
+    region: str | None = None
+    access_key_id: SecretStr | None = None
+    secret_access_key: SecretStr | None = None
+    max_concurrency: int = Field(8, ge=1, description="parallel multipart parts")
+    part_size_mb: int = Field(8, ge=5, description="multipart part size (S3 minimum is 5 MiB)")
+    max_attempts: int = Field(5, ge=1, description="retries with exponential backoff")
+    read_timeout_s: float = Field(30.0, gt=0)
+
+
+class CheckpointConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    uri: str | None = Field(
+        None, description="file:///path or s3://bucket/prefix; default: <output_dir>/checkpoints"
+    )
+    in_memory_every: int = Field(1, ge=0, description="steps between in-memory snapshots; 0 disables")
+    persist_every: int = Field(50, ge=0, description="steps between persistent checkpoints; 0 disables")
+    keep_last: int = Field(3, ge=1, description="persistent checkpoints kept (retention)")
+    keeper_memory_limit_mb: int = Field(4096, ge=1, description="per keeper; larger snapshots are refused")
+    resume: bool = Field(True, description="start from the newest valid checkpoint at uri, if any")
+    s3: S3Config = Field(default_factory=S3Config)
+
+    @field_validator("uri")
+    @classmethod
+    def _scheme(cls, v: str | None) -> str | None:
+        if v is not None and not (v.startswith("file://") or v.startswith("s3://")):
+            raise ValueError(f"uri {v!r} must start with file:// or s3:// (e.g. s3://bucket/prefix)")
+        if v is not None and v.startswith("s3://") and len(v) <= len("s3://"):
+            raise ValueError("uri s3:// needs a bucket: s3://bucket/prefix")
+        return v

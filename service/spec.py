@@ -1,0 +1,120 @@
+"""The job spec: the engine's sections plus resources, checkpointing, fault tolerance and chaos.
+
+This is the wire contract of `POST /v1/jobs`, the SDK and `unbroken submit`. It imports no
+torch or ray, so the SDK and CLI stay light.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+
+from checkpointing.config import CheckpointConfig
+from parallel.config import EngineConfig, format_validation_error
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DPRange(_Strict):
+    """The data-parallel degree may move between min and max as workers fail and return."""
+
+    min: int = Field(1, ge=1)
+    max: int | None = Field(None, ge=1, description="default: the parallelism section's dp size")
+
+    @model_validator(mode="after")
+    def _check(self) -> DPRange:
+        if self.max is not None and self.max < self.min:
+            raise ValueError(f"dp.max={self.max} is below dp.min={self.min}; raise max or lower min")
+        return self
+
+
+class Resources(_Strict):
+    dp: DPRange = Field(default_factory=DPRange)
+    cpus_per_worker: float = Field(1.0, ge=0)
+    gpus_per_worker: float = Field(0.0, ge=0)
+    custom: dict[str, float] = Field(default_factory=dict, description="extra Ray resources per worker")
+
+
+class FaultTolerance(_Strict):
+    heartbeat_interval_s: float = Field(1.0, gt=0)
+    heartbeat_timeout_s: float = Field(10.0, gt=0, description="a worker silent this long is hung")
+    collective_timeout_s: float = Field(30.0, gt=0, description="floor of the process-group timeout")
+    max_recoveries: int = Field(10, ge=0)
+    wait_for_capacity_s: float = Field(60.0, ge=0, description="below dp.min, wait this long, then fail")
+    straggler_factor: float = Field(3.0, gt=1, description="step time over k x the median is a straggler")
+    straggler_action: Literal["warn", "replace"] = "warn"
+    supervisor_max_restarts: int = Field(3, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> FaultTolerance:
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise ValueError("heartbeat_timeout_s must exceed heartbeat_interval_s")
+        return self
+
+
+ChaosKind = Literal["kill_worker", "sigkill_worker", "hang_worker", "kill_node", "slow_worker", "raise_in_step"]
+
+
+class ChaosEvent(_Strict):
+    """A fault injected at a step on a rank (like torchft's fail_at(rank, step))."""
+
+    kind: ChaosKind
+    step: int = Field(ge=0)
+    rank: int = Field(0, ge=0)
+    seconds: float = Field(5.0, ge=0, description="slow_worker: delay per step; hang_worker: ignored")
+    generation: int = Field(0, ge=0, description="fire only in this generation, so it fires once")
+
+
+class RuntimeEnv(_Strict):
+    env_vars: dict[str, str] = Field(default_factory=dict)
+    secret_env_vars: dict[str, SecretStr] = Field(default_factory=dict, description="never returned or logged")
+    pip: list[str] = Field(default_factory=list)
+
+
+class JobSpec(EngineConfig):
+    name: str = Field("job", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    priority: int = Field(0, ge=-100, le=100, description="higher runs first; FIFO within a priority")
+    resources: Resources = Field(default_factory=Resources)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    fault_tolerance: FaultTolerance = Field(default_factory=FaultTolerance)
+    chaos: list[ChaosEvent] = Field(default_factory=list)
+    runtime_env: RuntimeEnv = Field(default_factory=RuntimeEnv)
+    tensorboard: bool = False
+
+    def public_dict(self) -> dict[str, Any]:
+        """The spec as the API returns it: secrets masked."""
+        return json.loads(self.model_dump_json())  # SecretStr dumps as '**********'
+
+
+class SpecError(ValueError):
+    """A job file or body that does not validate; the message lists each bad field and the fix."""
+
+
+def parse_spec(data: dict[str, Any] | str | bytes, *, cls: type[EngineConfig] = JobSpec) -> Any:
+    """Validate a dict, or YAML/JSON text, into `cls`, raising SpecError with readable lines."""
+    if isinstance(data, bytes | str):
+        try:
+            data = yaml.safe_load(data)
+        except yaml.YAMLError as e:
+            raise SpecError(f"the job file is not valid YAML or JSON: {e}") from e
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise SpecError(f"a job is a mapping of sections, got {type(data).__name__}")
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        raise SpecError(format_validation_error(e)) from e
+
+
+def load_spec_file(path: str | Path, *, cls: type[EngineConfig] = JobSpec) -> Any:
+    p = Path(path)
+    if not p.is_file():
+        raise SpecError(f"job file {str(p)!r} does not exist")
+    return parse_spec(p.read_text(encoding="utf-8"), cls=cls)

@@ -174,7 +174,7 @@ def _init_value(name: str, shape: torch.Size, cfg: ModelConfig, seed: int) -> to
         return torch.ones(shape)
     gen = torch.Generator().manual_seed(_param_seed(seed, name))
     std = 0.02
-    if name.endswith(("wo.weight", "w2.weight")):
+    if name.endswith(("wo.weight", "w2.weight", "experts.w2")):
         std = 0.02 / math.sqrt(2 * cfg.n_layers)  # residual projections, as in GPT-2/Llama
     elif name.endswith("output.weight"):
         std = cfg.dim**-0.5

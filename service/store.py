@@ -1,0 +1,564 @@
+"""The job store: jobs, their events, metrics, logs and checkpoints, and API tokens.
+
+SQLAlchemy over SQLite (default, `sqlite:///path`) or PostgreSQL (`postgresql+psycopg://...`).
+The schema is created and upgraded by Alembic when a store opens (service/migrations).
+
+Two kinds of caller: the API (create, read, list, delete, cancel) and each job's supervisor,
+which reports from inside a Ray actor through add_event / set_status / add_metrics /
+add_checkpoint / add_log. Terminal statuses are final: a late write never moves a finished job.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import logging
+import math
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import SecretStr
+from sqlalchemy import Engine, create_engine, delete, event, func, insert, select, update
+from sqlalchemy.exc import IntegrityError
+
+from service import auth
+from service.models import CheckpointRow, Event, Job, LogLine, MetricRow, Token
+
+log = logging.getLogger(__name__)
+
+PENDING, RUNNING, RECOVERING = "PENDING", "RUNNING", "RECOVERING"
+SUCCEEDED, FAILED, CANCELLED = "SUCCEEDED", "FAILED", "CANCELLED"
+STATUSES: tuple[str, ...] = (PENDING, RUNNING, RECOVERING, SUCCEEDED, FAILED, CANCELLED)
+TERMINAL: frozenset[str] = frozenset({SUCCEEDED, FAILED, CANCELLED})
+ACTIVE: frozenset[str] = frozenset({RUNNING, RECOVERING})
+MIGRATIONS_DIR = Path(__file__).with_name("migrations")
+
+
+class StoreError(Exception):
+    """Base of the store's refusals."""
+
+
+class JobNotFoundError(StoreError, KeyError):
+    def __str__(self) -> str:
+        return f"no job {self.args[0]!r}"
+
+
+class JobNotTerminalError(StoreError):
+    """Deleting a job that may still run."""
+
+
+class IdempotencyConflictError(StoreError):
+    """The same Idempotency-Key was used before with a different spec."""
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    id: str
+    name: str
+    owner: str
+    status: str
+    reason: str | None
+    priority: int
+    spec: dict[str, Any]  # public: secrets masked
+    min_world: int
+    max_world: int | None
+    created_at: float
+    updated_at: float
+    admitted_at: float | None
+    started_at: float | None
+    finished_at: float | None
+    cancel_requested: bool
+    recoveries: int
+    progress: dict[str, Any] | None
+    seq: int = field(repr=False, default=0)
+
+    @property
+    def terminal(self) -> bool:
+        return self.status in TERMINAL
+
+
+@dataclass(frozen=True)
+class EventRecord:
+    id: int
+    job_id: str
+    ts: float
+    kind: str
+    message: str
+    data: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class LogRecord:
+    id: int
+    ts: float
+    line: str
+
+
+@dataclass(frozen=True)
+class CheckpointRecord:
+    step: int
+    uri: str
+    tier: str
+    ts: float
+    data: dict[str, Any] | None
+
+
+def new_job_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+def spec_to_private_json(spec: Any) -> str:
+    """The whole spec as JSON with secret values revealed: what the supervisor needs to run it."""
+
+    def reveal(x: Any) -> Any:
+        if isinstance(x, SecretStr):
+            return x.get_secret_value()
+        if isinstance(x, dict):
+            return {k: reveal(v) for k, v in x.items()}
+        if isinstance(x, list | tuple):
+            return [reveal(v) for v in x]
+        return x
+
+    return json.dumps(reveal(spec.model_dump(mode="python")), sort_keys=True, default=str)
+
+
+def _json_safe(x: Any) -> Any:
+    """Non-finite floats become None: PostgreSQL's JSON has no NaN/Infinity."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {str(k): _json_safe(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_json_safe(v) for v in x]
+    if hasattr(x, "item") and callable(x.item):  # numpy / torch scalars
+        return _json_safe(x.item())
+    return x
+
+
+def encode_cursor(seq: int) -> str:
+    return base64.urlsafe_b64encode(f"s{seq}".encode()).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> int:
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+        if not raw.startswith("s"):
+            raise ValueError(cursor)
+        seq = int(raw[1:])
+        if seq < 0 or seq > 2**62:
+            raise ValueError(cursor)
+        return seq
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"cursor {cursor!r} is not one this server gave out; drop it to start over") from e
+
+
+def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+    cur = dbapi_conn.cursor()
+    # WAL lets the API read while supervisors write; busy_timeout waits for a writer instead of failing.
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA synchronous=NORMAL")
+    cur.execute("PRAGMA busy_timeout=30000")
+    cur.close()
+
+
+def make_engine(url: str) -> Engine:
+    if url.startswith("sqlite"):
+        path = url.split("///", 1)[1] if "///" in url else ""
+        if path and path != ":memory:":
+            Path(path).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+        event.listen(engine, "connect", _sqlite_pragmas)
+        return engine
+    if url.startswith("postgresql"):
+        return create_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True)
+    raise ValueError(f"store url {url!r} must be sqlite:///PATH or postgresql+psycopg://USER@HOST/DB")
+
+
+_migrate_lock = threading.Lock()
+
+
+def migrate(engine: Engine) -> None:
+    """Bring the schema to the newest Alembic revision (a no-op when it is there already)."""
+    from alembic import command
+    from alembic.config import Config
+    from alembic.runtime.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    head = ScriptDirectory.from_config(cfg).get_current_head()
+    with engine.connect() as conn:
+        if MigrationContext.configure(conn).get_current_revision() == head:
+            return
+    with _migrate_lock, engine.begin() as conn:
+        if conn.dialect.name == "postgresql":
+            # Several processes may open the store at once; one migrates, the rest wait.
+            conn.exec_driver_sql("SELECT pg_advisory_xact_lock(74281953)")
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, "head")
+
+
+def _job_record(row: Any) -> JobRecord:
+    return JobRecord(
+        id=row.id,
+        name=row.name,
+        owner=row.owner,
+        status=row.status,
+        reason=row.reason,
+        priority=row.priority,
+        spec=json.loads(row.spec_public),
+        min_world=row.min_world,
+        max_world=row.max_world,
+        created_at=row.created_at,
+        updated_at=row.updated_at,
+        admitted_at=row.admitted_at,
+        started_at=row.started_at,
+        finished_at=row.finished_at,
+        cancel_requested=bool(row.cancel_requested),
+        recoveries=row.recoveries,
+        progress=row.progress,
+        seq=row.seq,
+    )
+
+
+class JobStore:
+    """All reads and writes of job state. Safe to share between threads; one per process."""
+
+    def __init__(self, url: str, *, run_migrations: bool = True) -> None:
+        self.url = url
+        self.engine = make_engine(url)
+        if run_migrations:
+            migrate(self.engine)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    # ---- the supervisor's side -------------------------------------------------------------
+
+    def _job_exists(self, conn: Any, job_id: str) -> bool:
+        return conn.execute(select(Job.seq).where(Job.id == job_id)).first() is not None
+
+    def add_event(self, job_id: str, kind: str, message: str, data: dict | None = None) -> None:
+        with self.engine.begin() as conn:
+            if not self._job_exists(conn, job_id):
+                log.warning("event %r for unknown job %s dropped", kind, job_id)
+                return
+            conn.execute(
+                insert(Event).values(
+                    job_id=job_id, ts=time.time(), kind=kind[:64], message=message,
+                    data=_json_safe(data) if data else None,
+                )
+            )
+
+    def set_status(self, job_id: str, status: str, reason: str | None = None) -> None:
+        """Move a job to `status`; a terminal job never moves again. Records a `status` event."""
+        if status not in STATUSES:
+            raise ValueError(f"status {status!r} is not one of {STATUSES}")
+        now = time.time()
+        values: dict[str, Any] = {"status": status, "updated_at": now}
+        if reason is not None or status in TERMINAL:
+            values["reason"] = reason
+        if status in ACTIVE:
+            values["started_at"] = func.coalesce(Job.started_at, now)
+        if status == RECOVERING:
+            values["recoveries"] = Job.recoveries + 1
+        if status in TERMINAL:
+            values["finished_at"] = now
+        with self.engine.begin() as conn:
+            res = conn.execute(
+                update(Job)
+                .where(Job.id == job_id, Job.status.not_in(TERMINAL), Job.status != status)
+                .values(**values)
+            )
+            if res.rowcount == 0:
+                if not self._job_exists(conn, job_id):
+                    log.warning("status %s for unknown job %s dropped", status, job_id)
+                return
+            msg = status if reason is None else f"{status}: {reason}"
+            conn.execute(insert(Event).values(job_id=job_id, ts=now, kind="status", message=msg,
+                                              data={"status": status, "reason": reason}))
+
+    def add_metrics(self, job_id: str, rows: list[dict]) -> None:
+        """One row a step (step, loss, tokens, dp, world_size, generation, step_time_s, tokens_per_s, ...)."""
+        if not rows:
+            return
+        now = time.time()
+        clean = [_json_safe(dict(r)) for r in rows]
+        for r in clean:
+            if not isinstance(r.get("step"), int):
+                raise ValueError(f"every metrics row needs an integer 'step'; got {r.get('step')!r}")
+        latest = max(clean, key=lambda r: r["step"])
+        with self.engine.begin() as conn:
+            row = conn.execute(select(Job.progress).where(Job.id == job_id)).first()
+            if row is None:
+                log.warning("metrics for unknown job %s dropped", job_id)
+                return
+            conn.execute(insert(MetricRow), [{"job_id": job_id, "step": r["step"], "ts": now, "data": r}
+                                             for r in clean])
+            prev = row[0] or {}
+            if latest["step"] >= int(prev.get("step", -1)):
+                conn.execute(update(Job).where(Job.id == job_id).values(progress={**prev, **latest}))
+
+    def add_checkpoint(self, job_id: str, step: int, uri: str, tier: str, data: dict | None = None) -> None:
+        with self.engine.begin() as conn:
+            if not self._job_exists(conn, job_id):
+                log.warning("checkpoint for unknown job %s dropped", job_id)
+                return
+            conn.execute(insert(CheckpointRow).values(
+                job_id=job_id, step=int(step), uri=uri, tier=tier, ts=time.time(),
+                data=_json_safe(data) if data else None,
+            ))
+
+    def add_log(self, job_id: str, lines: list[str]) -> None:
+        if not lines:
+            return
+        now = time.time()
+        with self.engine.begin() as conn:
+            if not self._job_exists(conn, job_id):
+                return
+            conn.execute(insert(LogLine), [{"job_id": job_id, "ts": now, "line": str(x)} for x in lines])
+
+    # ---- the API's side --------------------------------------------------------------------
+
+    def create_job(
+        self,
+        spec: Any,
+        owner: str,
+        *,
+        min_world: int,
+        max_world: int | None,
+        idempotency_key: str | None = None,
+    ) -> tuple[JobRecord, bool]:
+        """Store a validated spec as a PENDING job. Returns (job, created).
+
+        With an idempotency key already used by this owner: the same spec returns the stored job
+        (created=False); a different spec raises IdempotencyConflictError.
+        """
+        spec_json = spec_to_private_json(spec)
+        spec_hash = hashlib.sha256(spec_json.encode()).hexdigest()
+        if idempotency_key is not None:
+            found = self._by_idempotency_key(owner, idempotency_key, spec_hash)
+            if found is not None:
+                return found, False
+        now = time.time()
+        job_id = new_job_id()
+        try:
+            with self.engine.begin() as conn:
+                conn.execute(insert(Job).values(
+                    id=job_id, name=spec.name, owner=owner, status=PENDING, reason=None,
+                    priority=spec.priority, spec_json=spec_json, spec_public=json.dumps(spec.public_dict()),
+                    spec_hash=spec_hash,
+                    idempotency_key=idempotency_key, min_world=min_world, max_world=max_world,
+                    created_at=now, updated_at=now, cancel_requested=False, recoveries=0,
+                ))
+                conn.execute(insert(Event).values(
+                    job_id=job_id, ts=now, kind="submitted", message=f"submitted by {owner}",
+                    data={"min_world": min_world, "max_world": max_world, "priority": spec.priority},
+                ))
+        except IntegrityError:
+            # A concurrent request with the same key won the race.
+            if idempotency_key is not None:
+                found = self._by_idempotency_key(owner, idempotency_key, spec_hash)
+                if found is not None:
+                    return found, False
+            raise
+        job = self.get_job(job_id)
+        assert job is not None
+        return job, True
+
+    def _by_idempotency_key(self, owner: str, key: str, spec_hash: str) -> JobRecord | None:
+        with self.engine.connect() as conn:
+            row = conn.execute(
+                select(Job.__table__).where(Job.owner == owner, Job.idempotency_key == key)
+            ).first()
+        if row is None:
+            return None
+        if row.spec_hash != spec_hash:
+            raise IdempotencyConflictError(
+                f"Idempotency-Key {key!r} was used for job {row.id} with a different spec; "
+                "use a new key for a new job"
+            )
+        return _job_record(row)
+
+    def get_job(self, job_id: str) -> JobRecord | None:
+        with self.engine.connect() as conn:
+            row = conn.execute(select(Job.__table__).where(Job.id == job_id)).first()
+        return None if row is None else _job_record(row)
+
+    def get_spec(self, job_id: str) -> Any:
+        """The job's full JobSpec, secrets included (for the supervisor, never for a response)."""
+        from service.spec import JobSpec
+
+        with self.engine.connect() as conn:
+            row = conn.execute(select(Job.spec_json).where(Job.id == job_id)).first()
+        if row is None:
+            raise JobNotFoundError(job_id)
+        return JobSpec.model_validate_json(row[0])
+
+    def list_jobs(
+        self,
+        *,
+        owner: str | None = None,
+        status: Sequence[str] | None = None,
+        name: str | None = None,
+        limit: int = 50,
+        cursor: str | None = None,
+    ) -> tuple[list[JobRecord], str | None]:
+        """Newest first. Returns (page, next_cursor); next_cursor is None on the last page."""
+        q = select(Job.__table__)
+        if owner is not None:
+            q = q.where(Job.owner == owner)
+        if status:
+            q = q.where(Job.status.in_(list(status)))
+        if name is not None:
+            q = q.where(Job.name == name)
+        if cursor:
+            q = q.where(Job.seq < decode_cursor(cursor))
+        q = q.order_by(Job.seq.desc()).limit(limit + 1)
+        with self.engine.connect() as conn:
+            rows = conn.execute(q).all()
+        page = [_job_record(r) for r in rows[:limit]]
+        nxt = encode_cursor(page[-1].seq) if len(rows) > limit and page else None
+        return page, nxt
+
+    def delete_job(self, job_id: str) -> None:
+        """Delete a finished job and everything recorded about it."""
+        with self.engine.begin() as conn:
+            row = conn.execute(select(Job.status).where(Job.id == job_id)).first()
+            if row is None:
+                raise JobNotFoundError(job_id)
+            if row[0] not in TERMINAL:
+                raise JobNotTerminalError(
+                    f"job {job_id} is {row[0]}; cancel it and wait for CANCELLED before deleting"
+                )
+            for table in (Event, MetricRow, LogLine, CheckpointRow):
+                conn.execute(delete(table).where(table.job_id == job_id))
+            conn.execute(delete(Job).where(Job.id == job_id))
+
+    def request_cancel(self, job_id: str) -> JobRecord:
+        """Mark that cancellation was asked for (the scheduler or supervisor acts on it)."""
+        with self.engine.begin() as conn:
+            res = conn.execute(
+                update(Job)
+                .where(Job.id == job_id, Job.status.not_in(TERMINAL), Job.cancel_requested.is_(False))
+                .values(cancel_requested=True, updated_at=time.time())
+            )
+            if res.rowcount:
+                conn.execute(insert(Event).values(job_id=job_id, ts=time.time(), kind="cancel_requested",
+                                                  message="cancellation requested", data=None))
+        job = self.get_job(job_id)
+        if job is None:
+            raise JobNotFoundError(job_id)
+        return job
+
+    def events(self, job_id: str, after_id: int = 0, limit: int = 1000) -> list[EventRecord]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                select(Event.__table__).where(Event.job_id == job_id, Event.id > after_id).order_by(Event.id).limit(limit)
+            ).all()
+        return [EventRecord(r.id, r.job_id, r.ts, r.kind, r.message, r.data) for r in rows]
+
+    def metrics(self, job_id: str, after_step: int = -1, limit: int = 10000) -> list[dict[str, Any]]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                select(MetricRow.data)
+                .where(MetricRow.job_id == job_id, MetricRow.step > after_step)
+                .order_by(MetricRow.step, MetricRow.id)
+                .limit(limit)
+            ).all()
+        return [r[0] for r in rows]
+
+    def logs(self, job_id: str, after_id: int = 0, limit: int = 1000) -> list[LogRecord]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                select(LogLine.__table__).where(LogLine.job_id == job_id, LogLine.id > after_id).order_by(LogLine.id)
+                .limit(limit)
+            ).all()
+        return [LogRecord(r.id, r.ts, r.line) for r in rows]
+
+    def checkpoints(self, job_id: str) -> list[CheckpointRecord]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                select(CheckpointRow.__table__).where(CheckpointRow.job_id == job_id)
+                .order_by(CheckpointRow.step, CheckpointRow.id)
+            ).all()
+        return [CheckpointRecord(r.step, r.uri, r.tier, r.ts, r.data) for r in rows]
+
+    # ---- the scheduler's side --------------------------------------------------------------
+
+    def queued_jobs(self) -> list[JobRecord]:
+        """PENDING jobs not yet admitted: highest priority first, then oldest first."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                select(Job.__table__).where(Job.status == PENDING, Job.admitted_at.is_(None))
+                .order_by(Job.priority.desc(), Job.seq)
+            ).all()
+        return [_job_record(r) for r in rows]
+
+    def admitted_jobs(self) -> list[JobRecord]:
+        """Jobs handed to a supervisor and not finished."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                select(Job.__table__).where(Job.admitted_at.is_not(None), Job.status.not_in(TERMINAL)).order_by(Job.seq)
+            ).all()
+        return [_job_record(r) for r in rows]
+
+    def mark_admitted(self, job_id: str) -> bool:
+        """PENDING and not yet admitted → admitted; False if someone else got there (or it was cancelled)."""
+        now = time.time()
+        with self.engine.begin() as conn:
+            res = conn.execute(
+                update(Job)
+                .where(Job.id == job_id, Job.status == PENDING, Job.admitted_at.is_(None),
+                       Job.cancel_requested.is_(False))
+                .values(admitted_at=now, updated_at=now)
+            )
+            if res.rowcount:
+                conn.execute(insert(Event).values(job_id=job_id, ts=now, kind="admitted",
+                                                  message="admitted by the scheduler", data=None))
+            return bool(res.rowcount)
+
+    def count_by_status(self) -> dict[str, int]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(select(Job.status, func.count()).group_by(Job.status)).all()
+        out = dict.fromkeys(STATUSES, 0)
+        out.update({s: int(n) for s, n in rows})
+        return out
+
+    def queue_length(self) -> int:
+        with self.engine.connect() as conn:
+            return int(conn.execute(
+                select(func.count()).select_from(Job).where(Job.status == PENDING, Job.admitted_at.is_(None))
+            ).scalar_one())
+
+    # ---- tokens ------------------------------------------------------------------------------
+
+    def create_token(self, principal: str, role: str = "user", label: str | None = None) -> str:
+        """Make a new token for `principal`; returns the token text (only its hash is stored)."""
+        if role not in auth.ROLES:
+            raise ValueError(f"role {role!r} must be one of {auth.ROLES}")
+        if not principal or len(principal) > 128:
+            raise ValueError("principal must be 1 to 128 characters")
+        token = auth.new_token()
+        with self.engine.begin() as conn:
+            conn.execute(insert(Token).values(token_hash=auth.hash_token(token), principal=principal,
+                                              role=role, label=label, created_at=time.time()))
+        return token
+
+    def principal_for_token(self, token: str) -> auth.Principal | None:
+        with self.engine.connect() as conn:
+            row = conn.execute(
+                select(Token.principal, Token.role).where(Token.token_hash == auth.hash_token(token))
+            ).first()
+        return None if row is None else auth.Principal(row[0], row[1])
+
+    def revoke_tokens(self, principal: str) -> int:
+        with self.engine.begin() as conn:
+            return int(conn.execute(delete(Token).where(Token.principal == principal)).rowcount)
+

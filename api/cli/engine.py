@@ -1,9 +1,74 @@
-"""`unbroken` commands: engine (filled in by the part that owns it)."""
+"""`unbroken train` (the engine on this machine, N processes, no Ray) and `unbroken export-hf`.
+
+Heavy imports (torch, the launcher) happen inside the commands so `unbroken --help` stays fast.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
+
+# Exit codes: 2 = the job was refused before anything started; 1 = the run failed.
+EXIT_INVALID = 2
+EXIT_FAILED = 1
+
+
+def _fail(message: str, code: int) -> None:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(code)
+
+
+def train(
+    job_file: Path = typer.Argument(..., help="job YAML/JSON: sections model, data, training, parallelism"),
+    nproc: int = typer.Option(1, "--nproc", "-n", help="processes (ranks) on this machine"),
+    output: Path | None = typer.Option(None, "--output", "-o", help="run folder; default: training.output_dir"),
+    device: str = typer.Option("auto", help="cpu, cuda, or auto (cuda when present)"),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="show a progress bar"),
+) -> None:
+    """Train on this machine in NPROC processes (our own launcher; no Ray, no torchrun)."""
+    from parallel.config import EngineConfig
+    from service.spec import SpecError, load_spec_file
+    from workers.launcher import LaunchConfigError, LocalLauncher, RankFailure
+
+    try:
+        cfg = load_spec_file(job_file, cls=EngineConfig)
+        launcher = LocalLauncher(cfg, nproc, output, device=device, show_progress=progress)
+    except (SpecError, LaunchConfigError) as e:
+        _fail(f"{job_file} was refused, nothing started:\n{e}", EXIT_INVALID)
+    try:
+        result = launcher.run()
+    except RankFailure as e:
+        _fail(str(e), EXIT_FAILED)
+    except KeyboardInterrupt:
+        _fail("interrupted; all ranks were stopped", 130)
+    last = result.last or {}
+    typer.echo(
+        f"done: {result.steps} steps in {result.wall_s:.1f}s"
+        + (f", final loss {last['loss']:.4f}, {last['tokens_per_s']:,.0f} tokens/s" if last else "")
+    )
+    typer.echo(f"metrics: {result.metrics_path}")
+    if result.final_dir is not None:
+        typer.echo(f"final state: {result.final_dir}  (export with: unbroken export-hf {result.output_dir} OUT_DIR)")
+
+
+def export_hf_cmd(
+    source: str = typer.Argument(..., help="a run folder (from `unbroken train`) or its final/ folder"),
+    out_dir: Path = typer.Argument(..., help="where to write the Hugging Face folder"),
+) -> None:
+    """Export a run's final weights as a Hugging Face LlamaForCausalLM folder."""
+    from parallel.hf import HFInteropError, export_hf
+    from workers.final_state import ExportSourceError, resolve_export_source
+
+    try:
+        state, model_cfg = resolve_export_source(source)
+        export_hf(state, model_cfg, str(out_dir))
+    except (ExportSourceError, HFInteropError) as e:
+        _fail(str(e), EXIT_INVALID)
+    typer.echo(f"wrote {out_dir}/config.json and {out_dir}/model.safetensors (LlamaForCausalLM)")
 
 
 def register(app: typer.Typer) -> None:
     """Add this module's commands to the CLI."""
+    app.command("train")(train)
+    app.command("export-hf")(export_hf_cmd)

@@ -1,0 +1,86 @@
+"""One rank of a local run: `python -m workers.rank_main --config JOB.json --output DIR`.
+
+Started by `workers.launcher` with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT
+in the environment. Rank 0 hosts the TCPStore. Rank 0 writes one JSON line per event to the
+file descriptor in UNBROKEN_REPORT_FD (start, each step, final), which the launcher reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPORT_FD_ENV = "UNBROKEN_REPORT_FD"
+DEVICE_ENV = "UNBROKEN_DEVICE"
+TIMEOUT_ENV = "UNBROKEN_COLLECTIVE_TIMEOUT_S"
+
+
+class Reporter:
+    """JSON lines to the launcher through an inherited pipe; a no-op where there is none."""
+
+    def __init__(self, fd: int | None) -> None:
+        self._f = os.fdopen(fd, "w", buffering=1, encoding="utf-8") if fd is not None else None
+
+    def send(self, event: str, **fields: Any) -> None:
+        if self._f is not None:
+            self._f.write(json.dumps({"event": event, **fields}, separators=(",", ":")) + "\n")
+            self._f.flush()
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--config", required=True, help="the resolved EngineConfig as JSON")
+    parser.add_argument("--output", required=True, help="the run's output folder")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from parallel import dist as pdist
+    from parallel.config import EngineConfig
+    from parallel.trainer import Trainer
+    from workers.final_state import FINAL_DIR, save_final_state
+    from workers.metrics_log import metrics_line
+
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    cfg = EngineConfig.model_validate_json(Path(args.config).read_text(encoding="utf-8"))
+    cfg.training.output_dir = args.output
+    device = torch.device(os.environ[DEVICE_ENV]) if os.environ.get(DEVICE_ENV) else pdist.default_device()
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    fd = os.environ.get(REPORT_FD_ENV)
+    reporter = Reporter(int(fd) if fd and rank == 0 else None)
+    t0 = time.perf_counter()
+    if world > 1:
+        timeout = float(os.environ.get(TIMEOUT_ENV, "120"))
+        store = pdist.make_store(
+            os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]), world,
+            is_master=rank == 0, timeout_s=timeout,
+        )
+        pdist.init_process_group(rank, world, store, device=device, timeout_s=timeout)
+    try:
+        trainer = Trainer(cfg, device=device)
+        reporter.send("start", dp=trainer.dims.dp, world_size=world, setup_s=time.perf_counter() - t0,
+                      step=trainer.step, total_steps=cfg.training.steps)
+        while trainer.step < cfg.training.steps:
+            reporter.send("step", **metrics_line(trainer.train_step()))
+        state = trainer.full_state_dict()  # a collective: every rank takes part
+        if rank == 0:
+            final = save_final_state(state, cfg, Path(args.output) / FINAL_DIR)
+            reporter.send("final", path=str(final))
+    finally:
+        pdist.destroy_process_group()
+        reporter.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -73,15 +73,18 @@ def fits(demand: dict[str, float], free: dict[str, float]) -> bool:
 
 
 def layout_problems(spec: Any, cluster_total: dict[str, float] | None = None) -> list[tuple[str, str]]:
-    """Every reason the job's layout cannot run, as (field, message naming the fix).
+    """Every reason the job's layout cannot run, as (field, message naming the fix): the model
+    checks below (the engine's own ParallelDims checks are stricter; see service.validation),
+    the dp range, and (when `cluster_total` is given) that the minimum gang fits the cluster."""
+    if spec.parallelism.auto:
+        return cluster_problems(spec, cluster_total)
+    return model_layout_problems(spec) + dp_problems(spec) + cluster_problems(spec, cluster_total)
 
-    Checks that need only the spec: sizes that divide the model, dp bounds against the parallelism
-    section, and (when `cluster_total` is given) that the minimum gang fits the whole cluster.
-    """
+
+def model_layout_problems(spec: Any) -> list[tuple[str, str]]:
+    """Sizes that must divide the model: tp | heads, pp stages <= layers, cp | seq_len, ep | experts."""
     problems: list[tuple[str, str]] = []
     m, p, t = spec.model, spec.parallelism, spec.training
-    if p.auto:
-        return problems  # the planner picks the layout
     if m.n_heads % p.tp:
         problems.append(("parallelism.tp", f"tp={p.tp} does not divide model.n_heads={m.n_heads}; pick a divisor"))
     elif m.kv_heads % p.tp:
@@ -110,7 +113,14 @@ def layout_problems(spec: Any, cluster_total: dict[str, float] | None = None) ->
         problems.append(
             ("parallelism.ep", f"ep={p.ep} does not divide model.moe.num_experts={m.moe.num_experts}")
         )
-    dp_min, dp_max = dp_range(spec)
+    return problems
+
+
+def dp_problems(spec: Any) -> list[tuple[str, str]]:
+    """resources.dp against the parallelism section."""
+    problems: list[tuple[str, str]] = []
+    p = spec.parallelism
+    dp_min, _ = dp_range(spec)
     if p.dp_shard > 0:
         dp_fixed = p.dp_replicate * p.dp_shard
         if spec.resources.dp.max is not None and spec.resources.dp.max > dp_fixed:
@@ -129,6 +139,12 @@ def layout_problems(spec: Any, cluster_total: dict[str, float] | None = None) ->
         problems.append(
             ("resources.dp.min", f"{dp_min} is not a multiple of parallelism.dp_replicate={p.dp_replicate}")
         )
+    return problems
+
+
+def cluster_problems(spec: Any, cluster_total: dict[str, float] | None) -> list[tuple[str, str]]:
+    """The minimum gang must fit the whole cluster (not only what is free now)."""
+    problems: list[tuple[str, str]] = []
     if cluster_total is not None:
         demand = gang_demand(spec)
         for k, v in demand.items():

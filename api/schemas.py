@@ -1,0 +1,106 @@
+"""The REST API's request and response models (pydantic only: the SDK uses them too)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+JobStatus = Literal["PENDING", "RUNNING", "RECOVERING", "SUCCEEDED", "FAILED", "CANCELLED"]
+
+
+class Progress(BaseModel):
+    """The newest metrics row of a job (absent until its first step)."""
+
+    step: int | None = None
+    total_steps: int | None = None
+    loss: float | None = None
+    tokens_per_s: float | None = None
+    dp: int | None = None
+    world_size: int | None = None
+    generation: int | None = None
+    recoveries: int = 0
+
+
+class Job(BaseModel):
+    id: str
+    name: str
+    owner: str
+    status: JobStatus
+    reason: str | None = None
+    priority: int
+    min_world: int
+    max_world: int | None = Field(None, description="null: grows to fill the cluster")
+    created_at: float = Field(description="UNIX seconds")
+    updated_at: float
+    admitted_at: float | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+    cancel_requested: bool = False
+    progress: Progress
+    spec: dict[str, Any] | None = Field(None, description="the job spec, secrets masked (absent in lists)")
+
+    @property
+    def terminal(self) -> bool:
+        return self.status in ("SUCCEEDED", "FAILED", "CANCELLED")
+
+
+class JobList(BaseModel):
+    items: list[Job]
+    next_cursor: str | None = Field(None, description="pass as ?cursor= for the next page; null on the last")
+
+
+class JobEvent(BaseModel):
+    id: int
+    job_id: str
+    ts: float
+    kind: str
+    message: str
+    data: dict[str, Any] | None = None
+
+
+class EventList(BaseModel):
+    items: list[JobEvent]
+
+
+class MetricsList(BaseModel):
+    items: list[dict[str, Any]] = Field(description="one row a step: step, loss, tokens, dp, world_size, ...")
+
+
+class LogLine(BaseModel):
+    id: int
+    ts: float
+    line: str
+
+
+class LogList(BaseModel):
+    items: list[LogLine]
+    next_after: int = Field(description="pass as ?after= to read only newer lines")
+
+
+class Checkpoint(BaseModel):
+    step: int
+    uri: str
+    tier: str
+    ts: float
+    data: dict[str, Any] | None = None
+
+
+class CheckpointList(BaseModel):
+    items: list[Checkpoint]
+
+
+class FieldError(BaseModel):
+    field: str
+    message: str
+
+
+class ErrorBody(BaseModel):
+    error: str = Field(description="unauthorized | forbidden | not_found | conflict | validation_failed | ...")
+    message: str
+    fields: list[FieldError] = Field(default_factory=list)
+
+
+class Health(BaseModel):
+    status: Literal["ok", "unavailable"]
+    detail: dict[str, Any] = Field(default_factory=dict)

@@ -1,0 +1,285 @@
+"""The persistent checkpoint tier: asynchronous DCP saves to file:// or s3://, retention, loading.
+
+    mgr = CheckpointManager(cfg, default_root, rank=r, world_size=w)   # collective when w > 1
+    handle = mgr.save_async(trainer.state_dict(), step, generation, layout)  # blocks for a host copy
+    ...train on...
+    result = handle.result()           # SaveResult(ok=..., error=...); never raises storage errors
+    info = mgr.latest_valid()          # collective when w > 1; mgr.skipped says why newer ones were not
+    state = trainer.state_dict()       # built for the CURRENT mesh (fresh optimizer state included)
+    mgr.load(state, info)              # in place, resharding as needed; then trainer.load_state_dict(state)
+
+Saving: the training thread copies the state to reused host buffers (HostStager) and returns; a
+single background thread runs `dcp.save` over that copy on a dedicated gloo group (so its
+collectives never interleave with the training collectives), each rank streams one object, and rank 0
+writes `.metadata` and then the manifest. At most one save is in flight: `save_async` first waits
+for the previous one (all ranks do, so the collective sequence stays aligned; skipping on some
+ranks only would deadlock). A failed save (full disk, store down, fenced) is reported in its
+SaveResult, logged, kept in `last_error`, and never raised into the training step.
+
+The process group is captured at construction: after the job's group is re-formed (a new
+generation or world size), build a new CheckpointManager (after `close()` on the old one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import warnings
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from checkpointing.catalog import (
+    CheckpointInfo,
+    VerifyReport,
+    find_latest_valid,
+    list_checkpoints,
+    read_fences,
+    verify_checkpoint,
+    write_fence,
+)
+from checkpointing.config import CheckpointConfig
+from checkpointing.dcp_storage import ObjectStoreReader, ObjectStoreWriter
+from checkpointing.manifest import MANIFEST_NAME, FileEntry, Manifest, step_dir
+from checkpointing.object_store import StorageError
+from checkpointing.state import HostStager
+from checkpointing.uri import open_store
+
+log = logging.getLogger("unbroken.checkpoint")
+
+__all__ = ["CheckpointInfo", "CheckpointManager", "SaveHandle", "SaveResult", "VerifyReport"]
+
+
+@dataclass
+class SaveResult:
+    step: int
+    generation: int
+    ok: bool
+    error: str | None = None
+    uri: str = ""
+    bytes_written: int = 0  # this rank's data object
+    blocking_s: float = 0.0  # time the training thread was held (host copy)
+    upload_s: float = 0.0  # background time: planning, upload, metadata, manifest, retention
+
+
+class SaveHandle:
+    """A save in flight. `result()` waits and returns a SaveResult; storage errors are inside it."""
+
+    def __init__(self, step: int, future: Future[SaveResult], blocking_s: float) -> None:
+        self.step = step
+        self.blocking_s = blocking_s
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> SaveResult:
+        return self._future.result(timeout)
+
+
+def _describe_failure(e: BaseException) -> str:
+    """The root causes of a (possibly multi-rank) DCP failure, one line each."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        parts = []
+        for rank, wrapped in sorted(failures.items()):
+            exc = getattr(wrapped, "exc", wrapped)
+            parts.append(f"rank {rank}: {exc}")
+        return "; ".join(parts)
+    return f"{type(e).__name__}: {e}" if not isinstance(e, StorageError) else str(e)
+
+
+@contextlib.contextmanager
+def _quiet_single_process(distributed: bool) -> Iterator[None]:
+    """DCP warns that it 'assumes a single process' on every call at world 1: that is our intent."""
+    with warnings.catch_warnings():
+        if not distributed:
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+        yield
+
+
+class CheckpointManager:
+    def __init__(
+        self,
+        cfg: CheckpointConfig,
+        default_root: str,
+        *,
+        rank: int,
+        world_size: int,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank} world_size={world_size}: need 0 <= rank < world_size")
+        self.cfg = cfg
+        self.uri = cfg.uri or default_root
+        self.store = open_store(self.uri, cfg.s3)
+        self.rank = rank
+        self.world_size = world_size
+        self.distributed = world_size > 1
+        if self.distributed and not dist.is_initialized():
+            raise RuntimeError(f"world_size={world_size} needs torch.distributed initialised before CheckpointManager")
+        # A separate gloo group: the upload thread's collectives must not interleave with training's.
+        self.pg = process_group
+        if self.distributed and self.pg is None:
+            self.pg = dist.new_group(backend="gloo")
+        self._stager = HostStager()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-upload")
+        self._pending: SaveHandle | None = None
+        self.last_error: str | None = None
+        self.skipped: list[tuple[int, str]] = []
+
+    # ---------------------------------------------------------------- saving
+    def save_async(self, state: dict[str, Any], step: int, generation: int, layout: dict[str, Any]) -> SaveHandle:
+        """Stage `state` to host memory (blocking), then upload in the background. Collective."""
+        self.wait()  # at most one save in flight
+        t0 = time.perf_counter()
+        staged = self._stager.stage(state)
+        blocking = time.perf_counter() - t0
+        fut = self._executor.submit(self._save_staged, staged, step, generation, dict(layout), blocking)
+        self._pending = SaveHandle(step, fut, blocking)
+        return self._pending
+
+    def save(self, state: dict[str, Any], step: int, generation: int, layout: dict[str, Any]) -> SaveResult:
+        return self.save_async(state, step, generation, layout).result()
+
+    def wait(self) -> SaveResult | None:
+        """Wait for the save in flight, if any, and return its result."""
+        pending, self._pending = self._pending, None
+        return pending.result() if pending is not None else None
+
+    def _commit(self, step: int, generation: int, layout: dict[str, Any], files: list[FileEntry]) -> None:
+        """On the coordinator, after every rank's object and .metadata are stored: the manifest, last."""
+        for f in read_fences(self.store):
+            if f.generation > generation:
+                raise StorageError(
+                    f"fenced: generation {f.generation} resumed from step {f.resume_step}; generation "
+                    f"{generation} may not commit step {step} (this worker is stale and should stop)"
+                )
+        m = Manifest(step=step, generation=generation, world_size=self.world_size, layout=layout, files=files)
+        self.store.put_bytes(f"{step_dir(step)}/{MANIFEST_NAME}", m.to_json().encode())
+
+    def _save_staged(
+        self, staged: dict[str, Any], step: int, generation: int, layout: dict[str, Any], blocking: float
+    ) -> SaveResult:
+        t0 = time.perf_counter()
+        res = SaveResult(step, generation, ok=False, uri=f"{self.store.root_uri.rstrip('/')}/{step_dir(step)}",
+                         blocking_s=blocking)  # fmt: skip
+        writer = ObjectStoreWriter(
+            self.store, step_dir(step), on_commit=lambda files: self._commit(step, generation, layout, files)
+        )
+        try:
+            with _quiet_single_process(self.distributed):
+                dcp.save(staged, storage_writer=writer, process_group=self.pg, no_dist=not self.distributed)
+            res.ok = True
+            if self.rank == 0:
+                self._retain()
+        except Exception as e:  # noqa: BLE001 - reported, never raised into training
+            res.error = _describe_failure(e)
+        except BaseException as e:  # DCP's CheckpointException derives from BaseException
+            if isinstance(e, KeyboardInterrupt | SystemExit):
+                raise
+            res.error = _describe_failure(e)
+        res.upload_s = time.perf_counter() - t0
+        if res.ok:
+            res.bytes_written = self.store.size(f"{step_dir(step)}/__{self.rank}_0.distcp") or 0
+            log.info("checkpoint step %d saved to %s in %.2fs", step, res.uri, res.upload_s)
+        else:
+            self.last_error = res.error
+            log.error("checkpoint step %d to %s failed (training continues): %s", step, res.uri, res.error)
+        return res
+
+    def _retain(self) -> None:
+        """Keep the newest `keep_last` complete checkpoints; delete every step folder older than them."""
+        try:
+            infos = list_checkpoints(self.store)
+            complete = [i for i in infos if i.valid]
+            if len(complete) <= self.cfg.keep_last:
+                return
+            oldest_kept = complete[-self.cfg.keep_last].step
+            for info in infos:
+                if info.step < oldest_kept:
+                    self.store.delete_prefix(info.prefix)
+        except StorageError as e:  # retention failing must not fail the save
+            log.warning("checkpoint retention under %s failed: %s", self.store.root_uri, e)
+
+    # ---------------------------------------------------------------- finding and loading
+    def _from_rank0(self, fn: Any) -> Any:
+        """Run fn on rank 0 and give every rank its result (or its error)."""
+        if not self.distributed:
+            return fn()
+        box: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                box[0] = ("ok", fn())
+            except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+                box[0] = ("err", str(e))
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.pg, 0), group=self.pg)
+        kind, value = box[0]
+        if kind == "err":
+            raise StorageError(value)
+        return value
+
+    def latest_valid(self, deep: bool = True) -> CheckpointInfo | None:
+        """The newest valid checkpoint (collective). `self.skipped` lists newer ones and why not.
+
+        deep=True re-hashes every file of the candidate (rank 0 reads it once).
+        """
+        self.wait()  # the upload thread uses the same group
+        info, skipped = self._from_rank0(lambda: find_latest_valid(self.store, deep=deep))
+        self.skipped = skipped
+        for step, why in skipped:
+            log.warning("skipping checkpoint %s: %s", step_dir(step), why)
+        return info
+
+    def load(self, state: dict[str, Any], info: CheckpointInfo) -> None:
+        """Load checkpoint `info` into `state` in place (collective).
+
+        `state` must be built for the current mesh, e.g. `get_state_dict(model, optimizer)` on a
+        freshly built model and optimizer: DCP reshards from the stored layout to it.
+        """
+        if info.manifest is None:
+            raise StorageError(f"{info.uri}: {info.reason or 'incomplete: no manifest'}; pick another checkpoint")
+        self.wait()
+        reader = ObjectStoreReader(self.store, info.prefix, info.manifest)
+        try:
+            with _quiet_single_process(self.distributed):
+                dcp.load(state, storage_reader=reader, process_group=self.pg, no_dist=not self.distributed)
+        except BaseException as e:
+            if isinstance(e, KeyboardInterrupt | SystemExit):
+                raise
+            raise StorageError(f"loading {info.uri} failed: {_describe_failure(e)}") from None
+
+    def load_latest(self, state: dict[str, Any]) -> CheckpointInfo | None:
+        info = self.latest_valid()
+        if info is not None:
+            self.load(state, info)
+        return info
+
+    # ---------------------------------------------------------------- inspection and fencing
+    def list(self) -> list[CheckpointInfo]:
+        return list_checkpoints(self.store)
+
+    def verify(self, step: int) -> VerifyReport:
+        return verify_checkpoint(self.store, step)
+
+    def fence(self, generation: int, resume_step: int) -> None:
+        """Record that `generation` resumed from `resume_step` (rank 0 writes; call before saving)."""
+        if self.rank == 0:
+            write_fence(self.store, generation, resume_step)
+
+    def close(self) -> None:
+        """Finish the save in flight and stop the upload thread (the gloo group is left to its owner)."""
+        try:
+            self.wait()
+        finally:
+            self._executor.shutdown(wait=True)
+
+    @property
+    def staging_bytes(self) -> int:
+        return self._stager.nbytes()
+

@@ -1,0 +1,155 @@
+"""The FastAPI app factory: routes, auth, error shape, body limit, request metrics, OpenAPI.
+
+`create_app(store, scheduler)` with a Scheduler admits and runs jobs on Ray; with
+`scheduler=None` the server is "store only": jobs are validated, stored and served, and stay
+PENDING (used by API tests and benchmarks, and by a control plane without a cluster).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from api.deps import ApiError, AppState
+from api.routers import health, jobs, metrics
+from service.store import JobStore
+
+log = logging.getLogger(__name__)
+
+
+class BodyTooLarge(ApiError):
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, "payload_too_large", f"the request body exceeds {limit} bytes; send a smaller job spec",
+                         [("body", f"at most {limit} bytes")])
+
+
+class LimitsAndMetrics:
+    """Pure ASGI middleware: refuses bodies over the limit (413) and records count and latency."""
+
+    def __init__(self, app: ASGIApp, state: AppState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.state.max_body_bytes
+        start = time.perf_counter()
+        status = 500
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            err = BodyTooLarge(limit)
+            await JSONResponse(err.body(), status_code=413)(scope, receive, send)
+            self._observe(scope, 413, start)
+            return
+        seen = 0
+
+        async def limited_receive() -> Message:
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > limit:
+                    raise BodyTooLarge(limit)
+            return msg
+
+        async def send_status(msg: Message) -> None:
+            nonlocal status
+            if msg["type"] == "http.response.start":
+                status = int(msg["status"])
+            await send(msg)
+
+        try:
+            await self.app(scope, limited_receive, send_status)
+        finally:
+            self._observe(scope, status, start)
+
+    def _observe(self, scope: Scope, status: int, start: float) -> None:
+        route = scope.get("route")
+        path = getattr(route, "path", None) or "(unmatched)"
+        self.state.extra["metrics"].observe(scope.get("method", ""), path, status, time.perf_counter() - start)
+
+
+def _api_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ApiError)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+def _request_validation_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    fields = []
+    for e in exc.errors():
+        loc = [str(p) for p in e.get("loc", ())]
+        fields.append((".".join(loc) or "(request)", str(e.get("msg", "invalid")).removeprefix("Value error, ")))
+    msg = "invalid request: " + "; ".join(f"{f}: {m}" for f, m in fields)
+    return JSONResponse(ApiError(422, "validation_failed", msg, fields).body(), status_code=422)
+
+
+def _http_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    return JSONResponse(ApiError(exc.status_code, code, str(exc.detail)).body(), status_code=exc.status_code,
+                        headers=getattr(exc, "headers", None))
+
+
+def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error", exc_info=exc)
+    body = ApiError(500, "internal", f"internal error ({type(exc).__name__}); see the server log").body()
+    return JSONResponse(body, status_code=500)
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema plus the JobSpec body of POST /v1/jobs (read by hand to accept YAML too)."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    from service.spec import JobSpec
+
+    schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+    spec_schema = JobSpec.model_json_schema(ref_template="#/components/schemas/{model}")
+    comps = schema.setdefault("components", {}).setdefault("schemas", {})
+    comps.update(spec_schema.pop("$defs", {}))
+    comps["JobSpec"] = spec_schema
+    app.openapi_schema = schema
+    return schema
+
+
+def create_app(
+    store: JobStore,
+    scheduler: Any | None = None,
+    *,
+    max_body_bytes: int = 1 << 20,
+    cluster_total: dict[str, float] | None = None,
+) -> FastAPI:
+    """The REST API over `store`; `scheduler` (service.scheduler.Scheduler) runs jobs, None stores only.
+
+    `cluster_total` lets a store-only server refuse jobs larger than a known cluster.
+    """
+    from api.routers.metrics import ApiMetrics
+
+    app = FastAPI(
+        title="Unbroken",
+        version="1",
+        description="Elastic, fault-tolerant LLM training jobs on Ray. Authenticate with `Authorization: Bearer`.",
+    )
+    state = AppState(store=store, scheduler=scheduler, max_body_bytes=max_body_bytes, cluster_total=cluster_total)
+    state.extra["metrics"] = ApiMetrics(store)
+    app.state.unbroken = state
+    app.include_router(jobs.router)
+    app.include_router(health.router)
+    app.include_router(metrics.router)
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(RequestValidationError, _request_validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected)
+    app.add_middleware(LimitsAndMetrics, state=state)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    return app

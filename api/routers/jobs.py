@@ -1,0 +1,317 @@
+"""/v1/jobs: submit, read, list, cancel, delete, and a job's events, metrics, logs, checkpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+import yaml
+from fastapi import APIRouter, Depends, Header, Query, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
+
+from api import schemas
+from api.deps import ApiError, AppState, current_principal, get_state, visible_job
+from service import sizing
+from service.auth import Principal
+from service.spec import JobSpec
+from service.store import (
+    CANCELLED,
+    STATUSES,
+    TERMINAL,
+    IdempotencyConflictError,
+    JobNotTerminalError,
+    JobRecord,
+)
+
+router = APIRouter(prefix="/v1", tags=["jobs"])
+
+JSON_TYPES = ("application/json", "")
+YAML_TYPES = ("application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml")
+ERRORS: dict[int | str, dict[str, Any]] = {
+    401: {"model": schemas.ErrorBody, "description": "missing or invalid token"},
+    404: {"model": schemas.ErrorBody, "description": "no such job visible to this token"},
+    422: {"model": schemas.ErrorBody, "description": "invalid input; `fields` names each bad field"},
+}
+
+
+def job_out(rec: JobRecord, *, with_spec: bool = True) -> schemas.Job:
+    p = rec.progress or {}
+    steps = (rec.spec.get("training") or {}).get("steps")
+    progress = schemas.Progress(
+        step=p.get("step"),
+        total_steps=steps,
+        loss=p.get("loss"),
+        tokens_per_s=p.get("tokens_per_s"),
+        dp=p.get("dp"),
+        world_size=p.get("world_size"),
+        generation=p.get("generation"),
+        recoveries=rec.recoveries,
+    )
+    return schemas.Job(
+        id=rec.id, name=rec.name, owner=rec.owner, status=rec.status, reason=rec.reason,  # type: ignore[arg-type]
+        priority=rec.priority, min_world=rec.min_world, max_world=rec.max_world, created_at=rec.created_at,
+        updated_at=rec.updated_at, admitted_at=rec.admitted_at, started_at=rec.started_at,
+        finished_at=rec.finished_at, cancel_requested=rec.cancel_requested, progress=progress,
+        spec=rec.spec if with_spec else None,
+    )
+
+
+def _parse_body(raw: bytes, content_type: str) -> Any:
+    ctype = content_type.split(";")[0].strip().lower()
+    if ctype in YAML_TYPES:
+        try:
+            return yaml.safe_load(raw.decode("utf-8"))
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            raise ApiError(422, "validation_failed", f"the body is not valid YAML: {e}", [("body", str(e))]) from e
+    if ctype in JSON_TYPES or ctype.endswith("+json"):
+        if not raw.strip():
+            raise ApiError(422, "validation_failed", "the body is empty; send a job spec as JSON or YAML",
+                           [("body", "empty")])
+        try:
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ApiError(422, "validation_failed", f"the body is not valid JSON: {e}", [("body", str(e))]) from e
+    raise ApiError(
+        415, "unsupported_media_type",
+        f"Content-Type {ctype!r} is not accepted; send application/json or application/yaml",
+    )
+
+
+def _validate(data: Any, state: AppState) -> JobSpec:
+    if not isinstance(data, dict):
+        raise ApiError(422, "validation_failed", f"a job spec is a mapping of sections, got {type(data).__name__}",
+                       [("body", "must be an object with sections model, data, training, ...")])
+    try:
+        spec = JobSpec.model_validate(data)
+    except ValidationError as e:
+        fields = []
+        for err in e.errors():
+            loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+            fields.append((loc, err["msg"].removeprefix("Value error, ")))
+        lines = "; ".join(f"{f}: {m}" for f, m in fields)
+        raise ApiError(422, "validation_failed", f"the job spec is invalid: {lines}", fields) from e
+    from service.validation import job_problems
+
+    total = state.scheduler.cluster_total() if state.scheduler is not None else state.cluster_total
+    problems = job_problems(spec, total)
+    if problems:
+        lines = "; ".join(f"{f}: {m}" for f, m in problems)
+        raise ApiError(422, "validation_failed", f"the job cannot run: {lines}", problems)
+    return spec
+
+
+SUBMIT_OPENAPI: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "description": "a job spec (the sections of a job.yaml), as JSON or YAML",
+        "content": {
+            "application/json": {"schema": {"$ref": "#/components/schemas/JobSpec"}},
+            "application/yaml": {"schema": {"$ref": "#/components/schemas/JobSpec"}},
+        },
+    }
+}
+
+
+@router.post(
+    "/jobs",
+    status_code=201,
+    response_model=schemas.Job,
+    openapi_extra=SUBMIT_OPENAPI,
+    responses={**ERRORS, 200: {"model": schemas.Job, "description": "an Idempotency-Key replay: the stored job"},
+               409: {"model": schemas.ErrorBody, "description": "Idempotency-Key reused with another spec"},
+               413: {"model": schemas.ErrorBody, "description": "body too large"}},
+    summary="Submit a job",
+)
+async def submit_job(
+    request: Request,
+    principal: Principal = Depends(current_principal),
+    state: AppState = Depends(get_state),
+    idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
+) -> Response:
+    raw = await request.body()
+    data = _parse_body(raw, request.headers.get("content-type", ""))
+    spec = await run_in_threadpool(_validate, data, state)
+    min_world, max_world = sizing.job_world_size(spec)
+    try:
+        rec, created = await run_in_threadpool(
+            state.store.create_job, spec, principal.name, min_world=min_world, max_world=max_world,
+            idempotency_key=idempotency_key or None,
+        )
+    except IdempotencyConflictError as e:
+        raise ApiError(409, "conflict", str(e), [("Idempotency-Key", "reused with a different spec")]) from e
+    if created and state.scheduler is not None:
+        state.scheduler.notify()
+    headers = {"Location": f"/v1/jobs/{rec.id}"}
+    if not created:
+        headers["Idempotent-Replayed"] = "true"
+    return JSONResponse(job_out(rec).model_dump(mode="json"), status_code=201 if created else 200, headers=headers)
+
+
+@router.get("/jobs", response_model=schemas.JobList, responses=ERRORS, summary="List jobs, newest first")
+def list_jobs(
+    principal: Principal = Depends(current_principal),
+    state: AppState = Depends(get_state),
+    status: Annotated[list[str] | None, Query(description="repeat or comma-separate: ?status=RUNNING,PENDING")] = None,
+    owner: Annotated[str | None, Query(max_length=128)] = None,
+    name: Annotated[str | None, Query(max_length=128)] = None,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    cursor: Annotated[str | None, Query(max_length=64)] = None,
+) -> schemas.JobList:
+    statuses = [s.strip().upper() for v in status or [] for s in v.split(",") if s.strip()]
+    bad = [s for s in statuses if s not in STATUSES]
+    if bad:
+        raise ApiError(422, "validation_failed", f"unknown status {bad}; use one of {list(STATUSES)}",
+                       [("status", f"must be one of {list(STATUSES)}")])
+    if owner is not None and not principal.is_admin and owner != principal.name:
+        raise ApiError(403, "forbidden", f"{principal.name!r} may list only its own jobs; drop ?owner= or ask an admin")
+    if not principal.is_admin:
+        owner = principal.name
+    try:
+        page, nxt = state.store.list_jobs(owner=owner, status=statuses or None, name=name, limit=limit,
+                                          cursor=cursor)
+    except ValueError as e:
+        raise ApiError(422, "validation_failed", str(e), [("cursor", str(e))]) from e
+    return schemas.JobList(items=[job_out(r, with_spec=False) for r in page], next_cursor=nxt)
+
+
+@router.get("/jobs/{job_id}", response_model=schemas.Job, responses=ERRORS, summary="One job, with its spec")
+def get_job(job_id: str, principal: Principal = Depends(current_principal),
+            state: AppState = Depends(get_state)) -> schemas.Job:
+    return job_out(visible_job(job_id, principal, state))
+
+
+@router.post(
+    "/jobs/{job_id}/cancel", response_model=schemas.Job,
+    responses={**ERRORS, 409: {"model": schemas.ErrorBody, "description": "the job already finished"}},
+    summary="Cancel a job (queued: at once; running: its supervisor stops it)",
+)
+def cancel_job(job_id: str, principal: Principal = Depends(current_principal),
+               state: AppState = Depends(get_state)) -> schemas.Job:
+    job = visible_job(job_id, principal, state)
+    if job.status in TERMINAL - {CANCELLED}:
+        raise ApiError(409, "conflict", f"job {job_id} already finished ({job.status}); nothing to cancel")
+    if job.status == CANCELLED:
+        return job_out(job)
+    if state.scheduler is not None:
+        return job_out(state.scheduler.cancel(job_id))
+    # Store-only: no supervisor runs anything, so cancelling is only a state change.
+    state.store.request_cancel(job_id)
+    state.store.set_status(job_id, CANCELLED, "cancelled (no scheduler: the job never ran)")
+    got = state.store.get_job(job_id)
+    assert got is not None
+    return job_out(got)
+
+
+@router.delete(
+    "/jobs/{job_id}", status_code=204,
+    responses={**ERRORS, 409: {"model": schemas.ErrorBody, "description": "the job has not finished"}},
+    summary="Delete a finished job and its records",
+)
+def delete_job(job_id: str, principal: Principal = Depends(current_principal),
+               state: AppState = Depends(get_state)) -> Response:
+    visible_job(job_id, principal, state)
+    try:
+        state.store.delete_job(job_id)
+    except JobNotTerminalError as e:
+        raise ApiError(409, "conflict", str(e)) from e
+    except KeyError as e:
+        raise ApiError(404, "not_found", f"no job {job_id!r}") from e
+    return Response(status_code=204)
+
+
+def _sse(ev: Any) -> str:
+    payload = schemas.JobEvent(id=ev.id, job_id=ev.job_id, ts=ev.ts, kind=ev.kind, message=ev.message,
+                               data=ev.data).model_dump_json()
+    return f"id: {ev.id}\nevent: {ev.kind}\ndata: {payload}\n\n"
+
+
+@router.get(
+    "/jobs/{job_id}/events", response_model=schemas.EventList,
+    responses={**ERRORS, 200: {"content": {"text/event-stream": {}},
+                               "description": "JSON list, or with ?follow=true Server-Sent Events"}},
+    summary="A job's events; ?follow=true streams them (SSE) until the job finishes",
+)
+async def job_events(
+    request: Request,
+    job_id: str,
+    principal: Principal = Depends(current_principal),
+    state: AppState = Depends(get_state),
+    after: Annotated[int, Query(ge=0, le=2**62, description="only events with a larger id")] = 0,
+    limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
+    follow: bool = False,
+    poll_s: Annotated[float, Query(ge=0.05, le=10.0)] = 0.25,
+) -> Any:
+    await run_in_threadpool(visible_job, job_id, principal, state)
+    last_event_id = request.headers.get("last-event-id", "")
+    if last_event_id.isdigit() and len(last_event_id) < 19:
+        after = max(after, int(last_event_id))
+    if not follow:
+        evs = await run_in_threadpool(state.store.events, job_id, after, limit)
+        return schemas.EventList(items=[schemas.JobEvent(**ev.__dict__) for ev in evs])
+
+    async def stream() -> AsyncIterator[str]:
+        cursor = after
+        last_beat = time.monotonic()
+        while True:
+            evs = await run_in_threadpool(state.store.events, job_id, cursor, limit)
+            for ev in evs:
+                cursor = ev.id
+                yield _sse(ev)
+            if not evs:
+                job = await run_in_threadpool(state.store.get_job, job_id)
+                if job is None or job.terminal:
+                    # Drain what was written between the read of events and of the status.
+                    for ev in await run_in_threadpool(state.store.events, job_id, cursor, limit):
+                        cursor = ev.id
+                        yield _sse(ev)
+                    yield "event: end\ndata: {}\n\n"
+                    return
+                if time.monotonic() - last_beat > 15:
+                    last_beat = time.monotonic()
+                    yield ": keep-alive\n\n"
+                if await request.is_disconnected():
+                    return
+                await asyncio.sleep(poll_s)
+
+    return StreamingResponse(stream(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+@router.get("/jobs/{job_id}/metrics", response_model=schemas.MetricsList, responses=ERRORS,
+            summary="A job's metrics, one row a step")
+def job_metrics(
+    job_id: str,
+    principal: Principal = Depends(current_principal),
+    state: AppState = Depends(get_state),
+    after_step: Annotated[int, Query(ge=-1, le=2**31)] = -1,
+    limit: Annotated[int, Query(ge=1, le=100000)] = 10000,
+) -> schemas.MetricsList:
+    visible_job(job_id, principal, state)
+    return schemas.MetricsList(items=state.store.metrics(job_id, after_step, limit))
+
+
+@router.get("/jobs/{job_id}/logs", response_model=schemas.LogList, responses=ERRORS, summary="A job's log lines")
+def job_logs(
+    job_id: str,
+    principal: Principal = Depends(current_principal),
+    state: AppState = Depends(get_state),
+    after: Annotated[int, Query(ge=0, le=2**62)] = 0,
+    limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
+) -> schemas.LogList:
+    visible_job(job_id, principal, state)
+    lines = state.store.logs(job_id, after, limit)
+    return schemas.LogList(items=[schemas.LogLine(id=x.id, ts=x.ts, line=x.line) for x in lines],
+                           next_after=lines[-1].id if lines else after)
+
+
+@router.get("/jobs/{job_id}/checkpoints", response_model=schemas.CheckpointList, responses=ERRORS,
+            summary="A job's checkpoints (both tiers), oldest first")
+def job_checkpoints(job_id: str, principal: Principal = Depends(current_principal),
+                    state: AppState = Depends(get_state)) -> schemas.CheckpointList:
+    visible_job(job_id, principal, state)
+    return schemas.CheckpointList(items=[schemas.Checkpoint(**c.__dict__) for c in state.store.checkpoints(job_id)])

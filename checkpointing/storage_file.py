@@ -8,6 +8,7 @@ temporary file is removed.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
@@ -91,10 +92,8 @@ class FileStore(ObjectStore):
             for name in files:
                 if not name.endswith(_PARTIAL):
                     p = Path(dirpath, name)
-                    try:
+                    with contextlib.suppress(FileNotFoundError):  # removed meanwhile (retention)
                         keys[p.relative_to(self.root).as_posix()] = p.stat().st_size
-                    except FileNotFoundError:  # removed meanwhile (retention)
-                        pass
         return dict(sorted(keys.items()))
 
     def delete_prefix(self, prefix: str) -> None:

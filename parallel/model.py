@@ -136,7 +136,7 @@ class Transformer(nn.Module):
         Returns logits (batch, seq, vocab) on the last stage, else hidden states.
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        seqlen = h.shape[1]
+        seqlen = tokens.shape[1]  # the full length: under sequence parallelism h holds a shard
         if positions is None:
             positions = torch.arange(seqlen, device=h.device)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]

@@ -1,0 +1,94 @@
+"""AdamW, the warmup + cosine schedule, and gradient clipping across the whole mesh."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from parallel.config import TrainConfig
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices only (not norms). Fused on CUDA, foreach elsewhere."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [g for g in (
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ) if g["params"]]
+    fused = device.type == "cuda"
+    return torch.optim.AdamW(
+        groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=fused, foreach=None if fused else True
+    )
+
+
+def lr_factor(step: int, cfg: TrainConfig) -> float:
+    """Multiplier of cfg.lr at (0-based) step: linear warmup, then cosine down to min_lr_ratio."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    decay_steps = max(1, cfg.steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
+
+
+def set_scheduler_step(scheduler: torch.optim.lr_scheduler.LambdaLR, step: int) -> None:
+    """Put the schedule at `step` (the next step to run) and set the optimizer's lr to match."""
+    scheduler.last_epoch = step
+    scheduler._step_count = step + 1
+    lrs = [base * lam(step) for base, lam in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+    scheduler._last_lr = lrs
+
+
+@torch.no_grad()
+def grad_norm(parameters: Iterable[nn.Parameter], pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The 2-norm of all gradients of the model, over every shard on every mesh dimension.
+
+    DTensor gradients (FSDP, TP, or both) are grouped by mesh and placements; the norm of each
+    group is a DTensor reduced across its mesh (a Replicate dim is not double counted). With
+    pipeline parallelism each stage holds other parameters, so the squares are summed over pp.
+    """
+    groups: dict[object, list[torch.Tensor]] = defaultdict(list)
+    for p in parameters:
+        if p.grad is None:
+            continue
+        g = p.grad
+        key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else None
+        groups[key].append(g)
+    sq = None
+    for key, grads in groups.items():
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+        if key is not None and isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        part = norm.float() ** 2
+        sq = part if sq is None else sq + part.to(sq.device)
+    if sq is None:
+        sq = torch.zeros(())
+    if pp_group is not None:
+        dist.all_reduce(sq, group=pp_group)
+    return sq.sqrt()
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    parameters: Iterable[nn.Parameter], max_norm: float | None, pp_group: dist.ProcessGroup | None = None
+) -> float:
+    """Clip gradients to max_norm (None: only measure); returns the total norm before clipping."""
+    params = [p for p in parameters if p.grad is not None]
+    total = grad_norm(params, pp_group)
+    if max_norm is not None and params:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+    return float(total)

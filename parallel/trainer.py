@@ -1,0 +1,199 @@
+"""The Trainer: one rank's engine. Builds the mesh, model, optimizer, schedule and data, and
+runs train steps; its state is DCP-savable and reshardable to another dp degree.
+
+Order of construction (torchtitan's): model on the meta device -> tensor parallel -> activation
+checkpointing -> compile -> FSDP -> materialise and init weights (each parameter from its own
+seeded generator, so every layout starts from the same values) or load HF weights.
+
+One step: every dp rank runs the same number of micro-batches over its slice of the global
+batch (padding rows weigh zero); each micro-batch's loss is the *sum* of token losses divided by
+the global token count; FSDP averages gradients over its fsdp_size ranks, so the loss fed to
+backward is multiplied by fsdp_size to turn that average into the plain sum. The reported loss
+is the all-reduced sum over dp x cp divided by the global token count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from parallel import dist as pdist
+from parallel.ac import apply_ac
+from parallel.config import EngineConfig
+from parallel.data import DataLoader
+from parallel.dims import ParallelDims
+from parallel.fsdp import apply_fsdp, needs_sync_toggle
+from parallel.loss import loss_context, token_loss_sum
+from parallel.metrics import device_peak_flops, flops_per_token, mfu, peak_memory_bytes
+from parallel.model import build_model, init_weights
+from parallel.optim import build_optimizer, build_scheduler, clip_grad_norm_, set_scheduler_step
+from parallel.tp import apply_tp
+
+
+@dataclass
+class StepMetrics:
+    step: int  # the global step just completed (1-based count of completed steps)
+    loss: float  # global mean loss over the global batch (same value on every rank)
+    tokens: int  # tokens in the global batch
+    dp: int
+    world_size: int
+    step_time_s: float
+    tokens_per_s: float
+    lr: float
+    grad_norm: float
+    peak_mem_bytes: int  # cuda max_memory_allocated, or process peak RSS on CPU
+    mfu: float | None  # None where the device peak FLOP/s is unknown (CPU)
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class Trainer:
+    def __init__(self, cfg: EngineConfig, *, device: torch.device | None = None) -> None:
+        """torch.distributed must already be initialised (any world size), or not at all for world 1."""
+        self.cfg = cfg
+        self.device = torch.device(device) if device is not None else pdist.default_device()
+        world = pdist.world_size()
+        self.dims = ParallelDims.from_config(cfg.parallelism, world)
+        self.dims.validate(cfg.model, cfg.training, cfg.parallelism)
+        for name, size in (("pp", self.dims.pp), ("cp", self.dims.cp), ("ep", self.dims.ep)):
+            if size > 1:
+                raise NotImplementedError(
+                    f"parallelism.{name}={size}: this Trainer runs dp/fsdp/hsdp/tp layouts; "
+                    f"set {name}: 1 (pipeline, context and expert parallelism live in parallel.{name})"
+                )
+        self.mesh: DeviceMesh | None = self.dims.build_mesh(self.device.type) if world > 1 else None
+        self.dp_rank = self.dims.dp_rank(self.mesh)
+        t = cfg.training
+        self.bf16 = t.dtype == "bfloat16"
+        self.model: nn.Module = self._build_model()
+        self.optimizer = build_optimizer(self.model, t, self.device)
+        self.scheduler = build_scheduler(self.optimizer, t)
+        self.data = DataLoader(cfg.data, t.seq_len, t.global_batch_size, cfg.model.vocab_size, t.micro_batch_size)
+        self.step = 0
+        torch.manual_seed(t.seed)
+        self._loss_parallel = self.dims.tp_enabled and cfg.parallelism.loss_parallel
+        # FSDP averages gradients over its ranks; scale up so the result is the plain sum.
+        self._grad_scale = float(self.dims.fsdp_size) / self.data.tokens_per_step()
+        self._flops_per_token = flops_per_token(cfg.model, t.seq_len)
+        self._peak_flops = device_peak_flops(self.device, t.dtype)
+
+    # --- construction ----------------------------------------------------------------------
+    def _build_model(self) -> nn.Module:
+        cfg, dims, p, t = self.cfg, self.dims, self.cfg.parallelism, self.cfg.training
+        model = build_model(cfg.model, device="meta")
+        if dims.tp_enabled:
+            assert self.mesh is not None
+            apply_tp(model, dims.get_mesh(self.mesh, "tp"), sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel)
+        apply_ac(model, t.activation_checkpointing)
+        if t.compile:
+            for name, block in list(model.layers.items()):
+                model.layers[name] = torch.compile(block)
+        self.fsdp = dims.fsdp_enabled
+        if self.fsdp:
+            assert self.mesh is not None
+            apply_fsdp(
+                model, dims.fsdp_mesh(self.mesh), zero_stage=p.zero_stage,
+                param_dtype=torch.bfloat16 if self.bf16 else torch.float32, reduce_dtype=torch.float32,
+                cpu_offload=p.cpu_offload, device_type=self.device.type,
+            )
+        init_device = torch.device("cpu") if (self.fsdp and p.cpu_offload) else self.device
+        init_weights(model, cfg.model, device=init_device)
+        if cfg.model.init_from:
+            from parallel.hf import load_hf_weights  # lazy: safetensors only when asked for
+
+            load_hf_weights(model, cfg.model, cfg.model.init_from)
+        return model
+
+    # --- training ----------------------------------------------------------------------------
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """bf16 without FSDP (whose MixedPrecisionPolicy casts instead): autocast."""
+        if self.bf16 and not self.fsdp:
+            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def train_step(self) -> StepMetrics:
+        t0 = time.perf_counter()
+        t = self.cfg.training
+        self.model.train()
+        micro = self.data.micro_batches(self.step, self.dp_rank, self.dims.dp)
+        lr = self.optimizer.param_groups[0]["lr"]
+        toggle = self.fsdp and needs_sync_toggle(self.cfg.parallelism.zero_stage)
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        for i, (inputs, targets) in enumerate(micro):
+            if toggle:
+                self.model.set_requires_gradient_sync(i == len(micro) - 1)
+            inputs = inputs.to(self.device, non_blocking=True)
+            targets = targets.to(self.device, non_blocking=True)
+            with loss_context(self._loss_parallel):
+                with self._autocast():
+                    logits = self.model(inputs)
+                loss = token_loss_sum(logits, targets)
+                (loss * self._grad_scale).backward()
+            loss_sum += loss.detach()
+        pp_group = self.dims.get_mesh(self.mesh, "pp").get_group() if self.mesh is not None and self.dims.pp_enabled else None
+        gnorm = clip_grad_norm_(self.model.parameters(), t.grad_clip, pp_group)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.mesh is not None and self.dims.dp_cp > 1:
+            dist.all_reduce(loss_sum, group=self.dims.get_mesh(self.mesh, "dp_cp").get_group())
+        tokens = self.data.tokens_per_step()
+        loss_value = float(loss_sum) / tokens
+        self._sync()
+        self.step += 1
+        dt = time.perf_counter() - t0
+        tps = tokens / dt
+        return StepMetrics(
+            step=self.step, loss=loss_value, tokens=tokens, dp=self.dims.dp, world_size=self.dims.world_size,
+            step_time_s=dt, tokens_per_s=tps, lr=lr, grad_norm=gnorm,
+            peak_mem_bytes=peak_memory_bytes(self.device),
+            mfu=mfu(tps, self._flops_per_token, self._peak_flops, self.dims.world_size),
+        )
+
+    # --- state ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The whole train state: sharded (DTensor) model and optimizer, DCP-savable and reshardable."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {
+            "model": model_sd,
+            "optim": optim_sd,
+            "scheduler": {"last_epoch": self.scheduler.last_epoch},
+            "step": self.step,
+            "data": self.data.state_dict(self.step),
+            "rng": {"seed": self.cfg.training.seed, "cpu": torch.get_rng_state()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a state from `state_dict()` (of this or another layout, resharded by DCP or in memory)."""
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        self.data.check_state(state.get("data", {}))
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
+        self.step = int(state["step"])
+        set_scheduler_step(self.scheduler, int(state.get("scheduler", {}).get("last_epoch", self.step)))
+        rng = state.get("rng", {})
+        if isinstance(rng.get("cpu"), torch.Tensor):
+            torch.set_rng_state(rng["cpu"].to("cpu", torch.uint8))
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full (unsharded) model tensors in our naming, on CPU; valid on rank 0 (a collective)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        if self.mesh is None:
+            return {k: v.detach().cpu().clone() for k, v in get_model_state_dict(self.model).items()}
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(self.model, options=opts)

@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import queue
+import shutil
 import signal
 import socket
 import subprocess
@@ -27,9 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from parallel.config import EngineConfig
+from workers.final_state import FINAL_DIR
 from workers.metrics_log import METRICS_FILE, MetricsLog
 from workers.progress import StepProgress
-from workers.rank_main import DEVICE_ENV, REPORT_FD_ENV
+from workers.rank_main import DEVICE_ENV, LAUNCH_TIME_ENV, REPORT_FD_ENV, error_file
 
 _REPO_ROOT = Path(__file__).resolve().parents[1]
 _STOP_GRACE_S = 5.0
@@ -42,10 +44,14 @@ class LaunchConfigError(ValueError):
 class RankFailure(RuntimeError):
     """A rank exited non-zero (or was killed); the others were stopped."""
 
-    def __init__(self, rank: int, returncode: int, stderr_tail: str, others: dict[int, int]) -> None:
+    def __init__(
+        self, rank: int, returncode: int, stderr_tail: str, others: dict[int, int | None], error: str | None = None
+    ) -> None:
         self.rank, self.returncode, self.stderr_tail, self.others = rank, returncode, stderr_tail, others
+        self.error = error
         how = f"was killed by {signal.Signals(-returncode).name}" if returncode < 0 else f"exited with {returncode}"
-        msg = f"rank {rank} {how}; stopped the other ranks"
+        msg = f"rank {rank} failed first ({error})" if error else f"rank {rank} failed first: it {how}"
+        msg += "; stopped the other ranks"
         if others:
             msg += " (" + ", ".join(f"rank {r}: {_describe_rc(rc)}" for r, rc in sorted(others.items())) + ")"
         if stderr_tail.strip():
@@ -118,6 +124,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _read_error(path: Path) -> tuple[float, str] | None:
+    """(time, message) a rank recorded as it failed, if it could."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return float(data["time"]), str(data["error"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _tail(path: Path, lines: int = 30) -> str:
     try:
         text = path.read_text(encoding="utf-8", errors="replace")
@@ -181,13 +196,19 @@ class LocalLauncher:
             raise RuntimeError("this launcher already started its ranks")
         logs = self.output_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
+        # A reused run folder: what an earlier run left must not pass for this run's result.
+        for stale in logs.glob("rank*.error.json"):
+            stale.unlink()
+        shutil.rmtree(self.output_dir / FINAL_DIR, ignore_errors=True)
         job_file = self.output_dir / "job.json"
         job_file.write_text(self.cfg.model_dump_json(indent=2) + "\n", encoding="utf-8")
         port = free_port()
+        launch_time = str(time.time())
         read_fd, write_fd = os.pipe()
         try:
             for rank in range(self.nproc):
                 env = self._rank_env(rank, port)
+                env[LAUNCH_TIME_ENV] = launch_time
                 pass_fds: tuple[int, ...] = ()
                 if rank == 0:
                     env[REPORT_FD_ENV] = str(write_fd)
@@ -221,8 +242,8 @@ class LocalLauncher:
         self._events.put(("eof", None))
 
     def _wait_rank(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
-        # One waiter per rank so exits are queued in the order they happen: the first is the culprit.
-        self._events.put(("exit", (rank, proc.wait())))
+        rc = proc.wait()
+        self._events.put(("exit", (rank, rc, time.time())))
 
     def stop(self) -> dict[int, int | None]:
         """SIGTERM every live rank by PID, SIGKILL after a grace period; returns their exit codes."""
@@ -259,14 +280,10 @@ class LocalLauncher:
                     except queue.Empty:
                         break  # all exited but the pipe stays open (a leaked child holds it): stop waiting
                     if kind == "exit":
-                        rank, rc = payload
+                        rank, rc, when = payload
                         exited[rank] = rc
                         if rc != 0:
-                            others = {r: c for r, c in self.stop().items() if r != rank}
-                            self._drain_reports(log, progress)
-                            raise RankFailure(
-                                rank, rc, _tail(self.output_dir / "logs" / f"rank{rank}.stderr"), others
-                            )
+                            self._fail(rank, when, log, progress)
                     elif kind == "eof":
                         reports_done = True
                     else:
@@ -278,6 +295,34 @@ class LocalLauncher:
             output_dir=self.output_dir, metrics_path=self._metrics_path, final_dir=self._final_dir,
             steps=self._steps, last=self._last, wall_s=time.perf_counter() - t0, setup_s=self._setup_s,
             pids=self.pids,
+        )
+
+    def _fail(self, rank: int, when: float, log: MetricsLog, progress: StepProgress) -> None:
+        """A rank exited non-zero: stop the rest, find the rank that failed first, raise."""
+        stopped_at = time.time()
+        codes = self.stop()
+        self._drain_reports(log, progress)
+        # When one rank fails its peers fail too (their collectives break). The culprit is the rank
+        # whose failure came first: by the error time it recorded before leaving the group, else
+        # (killed, no chance to record) by when its exit was seen.
+        first: dict[int, float] = {rank: when}
+        while True:
+            try:
+                kind, payload = self._events.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "exit" and payload[1] != 0 and payload[2] <= stopped_at:
+                first[payload[0]] = payload[2]
+        errors = {r: e for r in range(self.nproc) if (e := _read_error(error_file(self.output_dir, r))) is not None}
+        for r, (t, _) in errors.items():
+            if t <= stopped_at:
+                first[r] = min(first.get(r, t), t)
+        culprit = min(first, key=lambda r: first[r])
+        others = {r: c for r, c in codes.items() if r != culprit}
+        raise RankFailure(
+            culprit, codes[culprit] if codes[culprit] is not None else -signal.SIGKILL,
+            _tail(self.output_dir / "logs" / f"rank{culprit}.stderr"), others,
+            error=errors[culprit][1] if culprit in errors else None,
         )
 
     def _handle_report(self, event: dict[str, Any], log: MetricsLog, progress: StepProgress) -> None:

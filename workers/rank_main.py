@@ -8,6 +8,7 @@ file descriptor in UNBROKEN_REPORT_FD (start, each step, final), which the launc
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -16,8 +17,10 @@ from pathlib import Path
 from typing import Any
 
 REPORT_FD_ENV = "UNBROKEN_REPORT_FD"
+FAIL_AT_ENV = "UNBROKEN_FAIL_AT"  # fault injection: "RANK:STEP" raises in that rank before that step
 DEVICE_ENV = "UNBROKEN_DEVICE"
 TIMEOUT_ENV = "UNBROKEN_COLLECTIVE_TIMEOUT_S"
+LAUNCH_TIME_ENV = "UNBROKEN_LAUNCH_TIME"  # wall clock when the launcher started the ranks
 
 
 class Reporter:
@@ -34,6 +37,27 @@ class Reporter:
     def close(self) -> None:
         if self._f is not None:
             self._f.close()
+
+
+def error_file(output: str | Path, rank: int) -> Path:
+    return Path(output) / "logs" / f"rank{rank}.error.json"
+
+
+def _record_error(output: str, rank: int, exc: BaseException) -> None:
+    """Written before the group is torn down, so the first rank to fail has the earliest time:
+    the launcher tells the culprit from peers that failed only because it went away."""
+    with contextlib.suppress(OSError):
+        error_file(output, rank).write_text(
+            json.dumps({"time": time.time(), "error": f"{type(exc).__name__}: {exc}"[:2000]}), encoding="utf-8"
+        )
+
+
+def _fail_at() -> tuple[int, int] | None:
+    spec = os.environ.get(FAIL_AT_ENV)
+    if not spec:
+        return None
+    rank, step = spec.split(":")
+    return int(rank), int(step)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,23 +83,31 @@ def main(argv: list[str] | None = None) -> int:
     fd = os.environ.get(REPORT_FD_ENV)
     reporter = Reporter(int(fd) if fd and rank == 0 else None)
     t0 = time.perf_counter()
-    if world > 1:
-        timeout = float(os.environ.get(TIMEOUT_ENV, "120"))
-        store = pdist.make_store(
-            os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]), world,
-            is_master=rank == 0, timeout_s=timeout,
-        )
-        pdist.init_process_group(rank, world, store, device=device, timeout_s=timeout)
+    fail_at = _fail_at()
     try:
+        if world > 1:
+            timeout = float(os.environ.get(TIMEOUT_ENV, "120"))
+            store = pdist.make_store(
+                os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]), world,
+                is_master=rank == 0, timeout_s=timeout,
+            )
+            pdist.init_process_group(rank, world, store, device=device, timeout_s=timeout)
         trainer = Trainer(cfg, device=device)
-        reporter.send("start", dp=trainer.dims.dp, world_size=world, setup_s=time.perf_counter() - t0,
+        launched = float(os.environ.get(LAUNCH_TIME_ENV, "0")) or None
+        setup_s = time.time() - launched if launched else time.perf_counter() - t0
+        reporter.send("start", dp=trainer.dims.dp, world_size=world, setup_s=setup_s,
                       step=trainer.step, total_steps=cfg.training.steps)
         while trainer.step < cfg.training.steps:
+            if fail_at == (rank, trainer.step + 1):
+                raise RuntimeError(f"injected fault ({FAIL_AT_ENV}) in rank {rank} before step {trainer.step + 1}")
             reporter.send("step", **metrics_line(trainer.train_step()))
         state = trainer.full_state_dict()  # a collective: every rank takes part
         if rank == 0:
             final = save_final_state(state, cfg, Path(args.output) / FINAL_DIR)
             reporter.send("final", path=str(final))
+    except BaseException as e:
+        _record_error(args.output, rank, e)
+        raise
     finally:
         pdist.destroy_process_group()
         reporter.close()

@@ -87,6 +87,16 @@ def error_from_response(status: int, body: Any, text: str = "") -> UnbrokenError
     if status == 409:
         return Conflict(message, status=status, body=data)
     if status in (400, 413, 422):
-        fields = {str(f.get("field")): str(f.get("message")) for f in data.get("fields") or [] if isinstance(f, dict)}
+        fields: dict[str, str] = {}
+        for f in data.get("fields") or []:
+            if isinstance(f, dict):
+                key, msg = str(f.get("field")), str(f.get("message"))
+                fields[key] = f"{fields[key]}; {msg}" if key in fields else msg
         return ValidationFailed(message, fields, status=status, body=data)
     return ServerError(message, status=status, body=data)
+
+
+class ServerUnavailable(UnbrokenError):
+    """The API could not be reached at all."""
+
+    code = "unavailable"

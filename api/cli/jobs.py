@@ -1,9 +1,228 @@
-"""`unbroken` commands: jobs (filled in by the part that owns it)."""
+"""`unbroken` job commands against the API: submit, list, status, events, logs, cancel, delete.
+
+They talk to the server through the SDK (api.client) and read its URL and token from
+$UNBROKEN_URL/$UNBROKEN_TOKEN or the token file `unbroken serve` writes. The SDK, httpx and
+rich are imported inside the commands so `unbroken --help` stays fast.
+"""
 
 from __future__ import annotations
 
+import sys
+import time
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
 import typer
+
+if TYPE_CHECKING:
+    from api.client import Client
+
+URL = typer.Option(None, "--url", envvar="UNBROKEN_URL", help="API URL (default: from ~/.unbroken/token)")
+TOKEN = typer.Option(None, "--token", envvar="UNBROKEN_TOKEN", help="bearer token (default: from the token file)")
+
+
+def _client(url: str | None, token: str | None) -> Client:
+    from api.client import Client
+
+    return Client(url, token)
+
+
+def _fail(e: Exception) -> typer.Exit:
+    from api.errors import ValidationFailed
+
+    if isinstance(e, ValidationFailed) and e.fields:
+        typer.secho("error: refused; fix these fields:", fg=typer.colors.RED, err=True)
+        for field, msg in e.fields.items():
+            typer.secho(f"  {field}: {msg}", fg=typer.colors.RED, err=True)
+    else:
+        typer.secho(f"error: {getattr(e, 'message', e)}", fg=typer.colors.RED, err=True)
+    return typer.Exit(2 if isinstance(e, ValidationFailed) else 1)
+
+
+def _run(fn: Any) -> Any:
+    from api.errors import UnbrokenError
+
+    try:
+        return fn()
+    except UnbrokenError as e:
+        raise _fail(e) from None
+
+
+def _ts(t: float | None) -> str:
+    return "-" if t is None else datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _fmt(v: Any, spec: str = "") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def _watch(c: Client, job_id: str) -> Any:
+    """A live bar until the job finishes: step/total, loss, tokens/s, dp, recoveries."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("{task.fields[info]}"), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=False) as bar:
+        task = bar.add_task(job_id, total=None, info="PENDING")
+
+        def update(job: Any) -> None:
+            p = job.progress
+            info = (f"{job.status}  loss {_fmt(p.loss, '.4f')}  tok/s {_fmt(p.tokens_per_s, ',.0f')}  "
+                    f"dp {_fmt(p.dp)}  recoveries {p.recoveries}")
+            bar.update(task, total=p.total_steps, completed=p.step or 0, info=info)
+
+        return c.wait(job_id, progress_callback=update, poll_s=1.0)
+
+
+def submit(
+    job_file: str = typer.Argument(..., help="a job.yaml (or .json)"),
+    wait: bool = typer.Option(False, "--wait", help="follow the job with a live progress bar until it ends"),
+    idempotency_key: str = typer.Option(None, help="resubmitting with the same key returns the same job"),
+    url: str = URL,
+    token: str = TOKEN,
+) -> None:
+    """Submit a job; prints its id (with --wait, follows it and exits 0 only if it SUCCEEDED)."""
+    with _client(url, token) as c:
+        job = _run(lambda: c.submit(job_file, idempotency_key=idempotency_key))
+        typer.echo(job.id)
+        if not wait:
+            return
+        final = _run(lambda: _watch(c, job.id))
+        color = typer.colors.GREEN if final.status == "SUCCEEDED" else typer.colors.RED
+        typer.secho(f"{final.id} {final.status}" + (f": {final.reason}" if final.reason else ""), fg=color, err=True)
+        if final.status != "SUCCEEDED":
+            raise typer.Exit(1)
+
+
+def list_jobs(
+    status: str = typer.Option(None, help="comma-separated statuses, e.g. RUNNING,PENDING"),
+    owner: str = typer.Option(None, help="admins: another owner's jobs"),
+    name: str = typer.Option(None),
+    limit: int = typer.Option(50, help="jobs a page"),
+    all_pages: bool = typer.Option(False, "--all", help="every page, not only the first"),
+    url: str = URL,
+    token: str = TOKEN,
+) -> None:
+    """List jobs, newest first."""
+    from rich.console import Console
+    from rich.table import Column, Table
+
+    with _client(url, token) as c:
+        if all_pages:
+            jobs = _run(lambda: list(c.iter_jobs(status=status, owner=owner, name=name, limit=limit)))
+            more = None
+        else:
+            page = _run(lambda: c.list(status=status, owner=owner, name=name, limit=limit))
+            jobs, more = page.items, page.next_cursor
+    table = Table("NAME", "OWNER", "STATUS", "PRIO", "STEP", "LOSS", "DP", "CREATED (UTC)")
+    table.columns.insert(0, Column("ID", no_wrap=True, min_width=16))
+    for j in jobs:
+        p = j.progress
+        step = "-" if p.step is None else f"{p.step}/{p.total_steps}"
+        table.add_row(j.id, j.name, j.owner, j.status, str(j.priority), step, _fmt(p.loss, ".4f"), _fmt(p.dp),
+                      _ts(j.created_at))
+    Console().print(table)
+    if more:
+        typer.echo("(more: --all, or raise --limit)", err=True)
+
+
+def status(
+    job_id: str = typer.Argument(...),
+    checkpoints: bool = typer.Option(False, "--checkpoints", help="also list the job's checkpoints"),
+    as_json: bool = typer.Option(False, "--json", help="the raw job as JSON"),
+    url: str = URL,
+    token: str = TOKEN,
+) -> None:
+    """One job's state and progress (with --checkpoints, its checkpoints too)."""
+    with _client(url, token) as c:
+        job = _run(lambda: c.get(job_id))
+        cks = _run(lambda: c.checkpoints(job_id)) if checkpoints else []
+    if as_json:
+        typer.echo(job.model_dump_json(indent=2))
+        return
+    p = job.progress
+    lines = [
+        ("id", job.id), ("name", job.name), ("owner", job.owner), ("status", job.status),
+        ("reason", job.reason or "-"), ("priority", job.priority),
+        ("world", f"{job.min_world}..{job.max_world if job.max_world is not None else 'fill'} workers"),
+        ("step", "-" if p.step is None else f"{p.step}/{p.total_steps}"), ("loss", _fmt(p.loss, ".4f")),
+        ("tokens/s", _fmt(p.tokens_per_s, ",.0f")), ("dp", _fmt(p.dp)), ("world_size", _fmt(p.world_size)),
+        ("generation", _fmt(p.generation)), ("recoveries", p.recoveries), ("created", _ts(job.created_at)),
+        ("started", _ts(job.started_at)), ("finished", _ts(job.finished_at)),
+    ]
+    for k, v in lines:
+        typer.echo(f"{k:>11}: {v}")
+    if checkpoints:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table("STEP", "TIER", "URI", "TIME (UTC)")
+        for ck in cks:
+            table.add_row(str(ck.step), ck.tier, ck.uri, _ts(ck.ts))
+        Console().print(table)
+
+
+def events(
+    job_id: str = typer.Argument(...),
+    follow: bool = typer.Option(False, "--follow", "-f", help="stream new events until the job ends"),
+    url: str = URL,
+    token: str = TOKEN,
+) -> None:
+    """A job's events (submitted, started, failures, resizes, checkpoints, finished)."""
+    from api.errors import UnbrokenError
+
+    with _client(url, token) as c:
+        try:
+            for ev in c.events(job_id, follow=follow):
+                typer.echo(f"{_ts(ev.ts)}  {ev.kind:<18} {ev.message}")
+        except UnbrokenError as e:
+            raise _fail(e) from None
+
+
+def logs(
+    job_id: str = typer.Argument(...),
+    follow: bool = typer.Option(False, "--follow", "-f", help="keep printing new lines until the job ends"),
+    url: str = URL,
+    token: str = TOKEN,
+) -> None:
+    """A job's log lines."""
+    with _client(url, token) as c:
+        after = 0
+        while True:
+            page = _run(lambda a=after: c.logs(job_id, after=a))
+            for line in page.items:
+                sys.stdout.write(line.line.rstrip("\n") + "\n")
+            sys.stdout.flush()
+            after = page.next_after
+            if len(page.items) == 1000:
+                continue  # more lines are waiting
+            if not follow or _run(lambda: c.get(job_id)).terminal and not page.items:
+                return
+            time.sleep(1.0)
+
+
+def cancel(job_id: str = typer.Argument(...), url: str = URL, token: str = TOKEN) -> None:
+    """Cancel a job (a queued one at once; a running one is stopped by its supervisor)."""
+    with _client(url, token) as c:
+        job = _run(lambda: c.cancel(job_id))
+    typer.echo(f"{job.id} {job.status}" + (" (cancel requested)" if not job.terminal else ""))
+
+
+def delete(job_id: str = typer.Argument(...), url: str = URL, token: str = TOKEN) -> None:
+    """Delete a finished job and its events, metrics, logs and checkpoint records."""
+    with _client(url, token) as c:
+        _run(lambda: c.delete(job_id))
+    typer.echo(f"{job_id} deleted")
 
 
 def register(app: typer.Typer) -> None:
     """Add this module's commands to the CLI."""
+    app.command("submit")(submit)
+    app.command("list")(list_jobs)
+    app.command("status")(status)
+    app.command("events")(events)
+    app.command("logs")(logs)
+    app.command("cancel")(cancel)
+    app.command("delete")(delete)

@@ -1,0 +1,221 @@
+"""The Python SDK: `Client` talks to the Unbroken REST API with httpx.
+
+    from unbroken import Client
+    c = Client()                      # the local server's URL and token from ~/.unbroken/token
+    job = c.submit("job.yaml")
+    c.wait(job.id, progress_callback=lambda j: print(j.progress.step))
+
+Imports neither torch nor ray (nor the server): only httpx, pydantic and the API's models.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from api import errors, schemas
+from api.schemas import Checkpoint, Job, JobEvent, JobList, LogList
+
+DEFAULT_URL = "http://127.0.0.1:8420"
+
+
+def _reveal(x: Any) -> Any:
+    """A spec's python dump with SecretStr values revealed, so they reach the server."""
+    if hasattr(x, "get_secret_value"):
+        return x.get_secret_value()
+    if isinstance(x, dict):
+        return {k: _reveal(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_reveal(v) for v in x]
+    return x
+
+
+def resolve_connection(url: str | None = None, token: str | None = None) -> tuple[str, str | None]:
+    """Explicit arguments, else $UNBROKEN_URL / $UNBROKEN_TOKEN, else the local token file."""
+    from service.auth import read_token_file
+
+    file = read_token_file() or {}
+    url = url or os.environ.get("UNBROKEN_URL") or file.get("url") or DEFAULT_URL
+    token = token or os.environ.get("UNBROKEN_TOKEN") or file.get("token")
+    return url.rstrip("/"), token
+
+
+class Client:
+    """A connection to one Unbroken API server. Every refusal raises a typed api.errors error."""
+
+    def __init__(self, url: str | None = None, token: str | None = None, *, timeout: float = 30.0) -> None:
+        self.url, self.token = resolve_connection(url, token)
+        headers = {"Accept": "application/json"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- plumbing -------------------------------------------------------------------------------
+
+    def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        try:
+            r = self._http.request(method, path, **kw)
+        except httpx.TransportError as e:
+            raise errors.ServerUnavailable(
+                f"cannot reach the Unbroken API at {self.url} ({type(e).__name__}: {e}); "
+                "start it with `unbroken serve` or pass url="
+            ) from e
+        if r.status_code >= 400:
+            try:
+                body = r.json()
+            except ValueError:
+                body = None
+            raise errors.error_from_response(r.status_code, body, r.text[:500])
+        return r
+
+    # ---- jobs -----------------------------------------------------------------------------------
+
+    def submit(self, spec: Any, *, idempotency_key: str | None = None) -> Job:
+        """Submit a JobSpec, a dict of sections, or the path of a job.yaml; returns the stored job."""
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        if isinstance(spec, str | Path) and not isinstance(spec, dict):
+            path = Path(spec)
+            if not path.is_file():
+                raise errors.ValidationFailed(f"job file {str(path)!r} does not exist", {"path": "no such file"})
+            r = self._request("POST", "/v1/jobs", content=path.read_bytes(),
+                              headers={**headers, "Content-Type": "application/yaml"})
+        elif isinstance(spec, dict):
+            r = self._request("POST", "/v1/jobs", json=spec, headers=headers)
+        elif hasattr(spec, "model_dump"):
+            body = json.dumps(_reveal(spec.model_dump(mode="python")), default=str)
+            r = self._request("POST", "/v1/jobs", content=body,
+                              headers={**headers, "Content-Type": "application/json"})
+        else:
+            raise TypeError(f"submit() takes a JobSpec, a dict or a path, not {type(spec).__name__}")
+        return Job.model_validate(r.json())
+
+    def get(self, job_id: str) -> Job:
+        return Job.model_validate(self._request("GET", f"/v1/jobs/{job_id}").json())
+
+    def list(
+        self,
+        *,
+        status: str | list[str] | None = None,
+        owner: str | None = None,
+        name: str | None = None,
+        limit: int = 50,
+        cursor: str | None = None,
+    ) -> JobList:
+        """One page of jobs, newest first; pass `.next_cursor` back as cursor= for the next page."""
+        params: dict[str, Any] = {"limit": limit}
+        if status:
+            params["status"] = status if isinstance(status, str) else ",".join(status)
+        for k, v in (("owner", owner), ("name", name), ("cursor", cursor)):
+            if v is not None:
+                params[k] = v
+        return JobList.model_validate(self._request("GET", "/v1/jobs", params=params).json())
+
+    def iter_jobs(self, **filters: Any) -> Iterator[Job]:
+        """Every job matching the filters, page by page."""
+        cursor = None
+        while True:
+            page = self.list(cursor=cursor, **filters)
+            yield from page.items
+            if page.next_cursor is None:
+                return
+            cursor = page.next_cursor
+
+    def wait(
+        self,
+        job_id: str,
+        timeout: float | None = None,
+        progress_callback: Callable[[Job], None] | None = None,
+        *,
+        poll_s: float = 1.0,
+    ) -> Job:
+        """Poll until the job finishes (SUCCEEDED, FAILED or CANCELLED); TimeoutError after `timeout` s."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            job = self.get(job_id)
+            if progress_callback is not None:
+                progress_callback(job)
+            if job.terminal:
+                return job
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"job {job_id} is still {job.status} after {timeout} s")
+            time.sleep(poll_s if deadline is None else max(0.0, min(poll_s, deadline - time.monotonic())))
+
+    def cancel(self, job_id: str) -> Job:
+        return Job.model_validate(self._request("POST", f"/v1/jobs/{job_id}/cancel").json())
+
+    def delete(self, job_id: str) -> None:
+        self._request("DELETE", f"/v1/jobs/{job_id}")
+
+    def events(self, job_id: str, follow: bool = True, *, after: int = 0) -> Iterator[JobEvent]:
+        """The job's events; with follow=True, keep streaming (SSE) until the job finishes."""
+        if not follow:
+            body = self._request("GET", f"/v1/jobs/{job_id}/events", params={"after": after}).json()
+            yield from (JobEvent.model_validate(e) for e in body["items"])
+            return
+        last = after
+        while True:
+            try:
+                with self._http.stream("GET", f"/v1/jobs/{job_id}/events", params={"follow": "true", "after": last},
+                                       timeout=httpx.Timeout(self._http.timeout.connect, read=None)) as r:
+                    if r.status_code >= 400:
+                        r.read()
+                        try:
+                            body = r.json()
+                        except ValueError:
+                            body = None
+                        raise errors.error_from_response(r.status_code, body, r.text[:500])
+                    kind, data = "message", ""
+                    for line in r.iter_lines():
+                        if line.startswith("event:"):
+                            kind = line[6:].strip()
+                        elif line.startswith("data:"):
+                            data += line[5:].strip()
+                        elif line == "":
+                            if kind == "end":
+                                return
+                            if data:
+                                ev = JobEvent.model_validate_json(data)
+                                last = ev.id
+                                yield ev
+                            kind, data = "message", ""
+            except httpx.TransportError as e:
+                # The stream broke (server restart, proxy timeout): resume after the last event seen.
+                try:
+                    self.get(job_id)
+                except errors.ServerUnavailable:
+                    raise errors.ServerUnavailable(f"lost the event stream of job {job_id}: {e}") from e
+                time.sleep(0.5)
+
+    def logs(self, job_id: str, *, after: int = 0, limit: int = 1000) -> LogList:
+        return LogList.model_validate(
+            self._request("GET", f"/v1/jobs/{job_id}/logs", params={"after": after, "limit": limit}).json()
+        )
+
+    def metrics(self, job_id: str, *, after_step: int = -1) -> list[dict[str, Any]]:
+        body = self._request("GET", f"/v1/jobs/{job_id}/metrics", params={"after_step": after_step}).json()
+        return list(body["items"])
+
+    def checkpoints(self, job_id: str) -> list[Checkpoint]:
+        body = self._request("GET", f"/v1/jobs/{job_id}/checkpoints").json()
+        return [Checkpoint.model_validate(c) for c in body["items"]]
+
+    def health(self) -> dict[str, Any]:
+        return dict(self._request("GET", "/readyz").json())
+
+
+__all__ = ["Client", "Job", "JobEvent", "JobList", "LogList", "Checkpoint", "schemas", "resolve_connection"]

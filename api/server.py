@@ -1,0 +1,154 @@
+"""Start the control plane: the job store, Ray (embedded or `--address`), the scheduler, uvicorn.
+
+`run_server(...)` is what `unbroken serve` calls. `BackgroundServer` runs any app on a free
+127.0.0.1 port in a thread (tests and benchmarks use it with a store-only app).
+"""
+
+from __future__ import annotations
+
+import getpass
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from service import auth
+from service.store import JobStore
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PORT = 8420
+
+
+def default_db_url() -> str:
+    return f"sqlite:///{auth.unbroken_home() / 'unbroken.db'}"
+
+
+def normalize_db_url(url: str) -> str:
+    """SQLite paths become absolute: supervisors run in other processes with other working dirs."""
+    if url.startswith("sqlite:///") and not url.startswith("sqlite:////"):
+        path = url[len("sqlite:///"):]
+        if path and path != ":memory:":
+            return "sqlite:///" + str(Path(path).expanduser().resolve())
+    return url
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def ensure_admin_token(store: JobStore, url: str, token_path: Path | None = None) -> tuple[str, Path]:
+    """Reuse the token file's admin token if this store knows it; else mint one and write the file."""
+    path = token_path or auth.token_file_path()
+    current = auth.read_token_file(path)
+    if current is not None:
+        who = store.principal_for_token(current["token"])
+        if who is not None and who.is_admin:
+            auth.write_token_file(url, current["token"], path)
+            return current["token"], path
+    token = store.create_token(getpass.getuser() or "admin", "admin", label="local admin (unbroken serve)")
+    auth.write_token_file(url, token, path)
+    return token, path
+
+
+class BackgroundServer:
+    """uvicorn serving `app` on 127.0.0.1 in a daemon thread; stop() ends it."""
+
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int | None = None) -> None:
+        self.host = host
+        self.port = port or free_port()
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host=host, port=self.port, log_level="warning", access_log=False, lifespan="off")
+        )
+        self.thread = threading.Thread(target=self.server.run, name="unbroken-api", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> BackgroundServer:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the API server did not start on {self.url}")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+
+    def __enter__(self) -> BackgroundServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@dataclass
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    db: str | None = None
+    address: str | None = None  # a Ray cluster; None starts an embedded one
+    num_cpus: int | None = None  # the embedded cluster's CPUs
+    no_ray: bool = False  # store only: accept and serve jobs, never run them
+    dashboard: bool = False
+    namespace: str = "unbroken"
+    quota_jobs: int | None = None
+    quota_workers: int | None = None
+    max_body_bytes: int = 1 << 20
+
+
+def connect_ray(opts: ServeOptions) -> None:
+    import ray
+
+    if opts.address:
+        ray.init(address=opts.address, namespace=opts.namespace, log_to_driver=False)
+        return
+    # Never a plain ray.init(): it could attach to someone else's cluster on this machine.
+    kwargs: dict[str, Any] = {"address": "local", "namespace": opts.namespace, "include_dashboard": opts.dashboard}
+    if opts.dashboard:
+        kwargs["dashboard_host"] = "127.0.0.1"
+    if opts.num_cpus is not None:
+        kwargs["num_cpus"] = opts.num_cpus
+    ray.init(**kwargs)
+
+
+def run_server(opts: ServeOptions) -> None:
+    """Serve until interrupted; the scheduler and an embedded Ray stop with the server."""
+    from api.app import create_app
+    from service.scheduler import Quota, QuotaPolicy, Scheduler
+
+    db = normalize_db_url(opts.db or os.environ.get("UNBROKEN_DB") or default_db_url())
+    store = JobStore(db)
+    url = f"http://{opts.host}:{opts.port}"
+    _, token_path = ensure_admin_token(store, url)
+    scheduler = None
+    if not opts.no_ray:
+        connect_ray(opts)
+        quotas = QuotaPolicy(default=Quota(opts.quota_jobs, opts.quota_workers))
+        scheduler = Scheduler(store, store_url=db, namespace=opts.namespace, quotas=quotas)
+        scheduler.start()
+    app = create_app(store, scheduler, max_body_bytes=opts.max_body_bytes)
+    mode = "store only (no Ray)" if scheduler is None else f"Ray {'at ' + opts.address if opts.address else 'embedded'}"
+    print(f"unbroken API on {url} (docs: {url}/docs); store {db}; {mode}; admin token in {token_path}", flush=True)
+    try:
+        uvicorn.run(app, host=opts.host, port=opts.port, log_level="warning", access_log=False)
+    finally:
+        if scheduler is not None:
+            scheduler.stop()
+            import ray
+
+            if ray.is_initialized():
+                ray.shutdown()
+        store.close()

@@ -1,0 +1,225 @@
+"""Pipeline parallelism: cut the model into stages and run them with a torch.distributed.pipelining schedule.
+
+A stage is a copy of the (meta) model that keeps only its own layers: the embedding lives on
+the first stage, the final norm and output on the last; layer names stay global
+(`layers.5....`), so checkpoints and weight init do not depend on the cut. With v stages per
+rank there are pp·v stages: "loop" placement (rank r holds stages r, r+pp, ...) for the
+interleaved schedules, "v" placement (rank r holds r and 2·pp−1−r) for ZBV.
+
+Schedules: gpipe, 1f1b (one stage per rank), interleaved_1f1b, zero_bubble
+(ScheduleInterleavedZeroBubble), zbv (ScheduleZBVZeroBubble). Stages under FSDP must use
+`reshard_after_forward=False`: the zero-bubble schedules give silently wrong gradients otherwise
+(measured on torch 2.13; see NOTES.md).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from parallel.config import ModelConfig, ParallelConfig
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
+_SINGLE_STAGE = ("gpipe", "1f1b")
+
+
+class PipelineConfigError(ValueError):
+    """A pipeline layout that cannot run; the message names the field and the fix."""
+
+
+def num_virtual_stages(p: ParallelConfig) -> int:
+    """Stages per rank: 1 for gpipe/1f1b, pp_stages_per_rank (>= 2) for the others."""
+    if p.pp_schedule in _SINGLE_STAGE:
+        if p.pp_stages_per_rank != 1:
+            raise PipelineConfigError(
+                f"parallelism.pp_schedule={p.pp_schedule} runs one stage per rank but "
+                f"pp_stages_per_rank={p.pp_stages_per_rank}; set it to 1 or use interleaved_1f1b"
+            )
+        return 1
+    if p.pp_schedule == "zbv" and p.pp_stages_per_rank != 2:
+        raise PipelineConfigError("parallelism.pp_schedule=zbv needs pp_stages_per_rank: 2")
+    if p.pp_stages_per_rank < 2:
+        raise PipelineConfigError(
+            f"parallelism.pp_schedule={p.pp_schedule} interleaves stages and needs pp_stages_per_rank >= 2"
+        )
+    return p.pp_stages_per_rank
+
+
+def layers_per_stage(n_layers: int, n_stages: int, split: list[int] | None = None) -> list[int]:
+    """The number of layers of each stage: `split` if given, else as even as possible
+    (the earlier stages take the remainder; the last stage also carries the output)."""
+    if split is not None:
+        if len(split) != n_stages:
+            raise PipelineConfigError(
+                f"parallelism.pp_split has {len(split)} entries but there are {n_stages} stages "
+                f"(pp × pp_stages_per_rank); give one layer count per stage"
+            )
+        if any(n < 1 for n in split):
+            raise PipelineConfigError(f"parallelism.pp_split={split}: every stage needs at least one layer")
+        if sum(split) != n_layers:
+            raise PipelineConfigError(
+                f"parallelism.pp_split={split} sums to {sum(split)} but model.n_layers={n_layers}; make them equal"
+            )
+        return list(split)
+    if n_layers < n_stages:
+        raise PipelineConfigError(
+            f"model.n_layers={n_layers} is fewer than the {n_stages} pipeline stages; lower pp or pp_stages_per_rank"
+        )
+    base, extra = divmod(n_layers, n_stages)
+    return [base + (1 if s < extra else 0) for s in range(n_stages)]
+
+
+def stage_ids(schedule: str, pp_rank: int, pp: int, v: int) -> list[int]:
+    """The stage indices this pp rank holds, in order."""
+    if schedule == "zbv":
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(v)]
+
+
+def split_stage(model: nn.Module, stage: int, counts: list[int]) -> nn.Module:
+    """A copy of `model` (a meta-device Transformer) holding only stage `stage`'s parts."""
+    first = sum(counts[:stage])
+    keep = {str(i) for i in range(first, first + counts[stage])}
+    part = copy.deepcopy(model)
+    for name in list(part.layers.keys()):
+        if name not in keep:
+            del part.layers[name]
+    if stage != 0:
+        part.tok_embeddings = None
+    if stage != len(counts) - 1:
+        part.norm = None
+        part.output = None
+    return part
+
+
+def bubble_fraction(schedule: str, pp: int, microbatches: int, stages_per_rank: int = 1) -> float:
+    """Theoretical idle fraction of a step: (p−1)/m for gpipe/1f1b, (p−1)/(v·m) interleaved.
+
+    For the zero-bubble schedules this is the interleaved bound; by moving weight-gradient
+    work into the bubbles they come in below it.
+    """
+    if pp <= 1:
+        return 0.0
+    if schedule in _SINGLE_STAGE:
+        return (pp - 1) / microbatches
+    return (pp - 1) / (stages_per_rank * microbatches)
+
+
+@dataclass
+class Pipeline:
+    """What a pp rank runs: its stage modules (in stage order) and the schedule driving them."""
+
+    schedule: Any
+    parts: list[nn.Module]
+    stage_ids: list[int]
+    n_stages: int
+    microbatches: int
+
+    @property
+    def has_first(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def has_last(self) -> bool:
+        return self.n_stages - 1 in self.stage_ids
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of one local batch; returns the sum of the micro-batch losses
+        (as the loss function returned them) on the rank holding the last stage, else 0."""
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.has_first else ()
+        target = targets if self.has_last else None
+        self.schedule.step(*args, target=target, losses=losses if self.has_last else None, return_outputs=False)
+        if not losses:
+            return torch.zeros((), dtype=torch.float32, device=inputs.device)
+        return torch.stack([loss.detach().float() for loss in losses]).sum()
+
+
+def split_model(
+    model: nn.Module, model_cfg: ModelConfig, p: ParallelConfig, pp_rank: int
+) -> tuple[list[nn.Module], list[int], int]:
+    """Cut the meta `model` for `pp_rank`: (stage modules, their stage ids, total stages)."""
+    v = num_virtual_stages(p)
+    n_stages = p.pp * v
+    counts = layers_per_stage(model_cfg.n_layers, n_stages, p.pp_split)
+    ids = stage_ids(p.pp_schedule, pp_rank, p.pp, v)
+    return [split_stage(model, s, counts) for s in ids], ids, n_stages
+
+
+def build_schedule(
+    parts: list[nn.Module],
+    ids: list[int],
+    n_stages: int,
+    p: ParallelConfig,
+    pp_group: Any,
+    device: torch.device,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    local_batch_size: int,
+) -> Pipeline:
+    """Wrap the (already parallelised and initialised) stage modules and build the schedule.
+
+    `loss_fn(output, target)` is what each micro-batch backpropagates; gradients are not
+    rescaled by the schedule (it should already carry the global normalisation).
+    """
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import (
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+        ScheduleZBVZeroBubble,
+    )
+
+    m = p.pp_microbatches or p.pp
+    if m < p.pp:
+        raise PipelineConfigError(f"parallelism.pp_microbatches={m} must be >= pp={p.pp}")
+    if local_batch_size % m:
+        raise PipelineConfigError(
+            f"the per-rank batch of {local_batch_size} sequences does not split into "
+            f"parallelism.pp_microbatches={m} equal micro-batches; make global_batch_size/dp a multiple of it"
+        )
+    stages = [PipelineStage(part, s, n_stages, device, group=pp_group) for part, s in zip(parts, ids, strict=True)]
+    common: dict[str, Any] = {"n_microbatches": m, "loss_fn": loss_fn, "scale_grads": False}
+    if p.pp_schedule == "gpipe":
+        schedule = ScheduleGPipe(stages[0], **common)
+    elif p.pp_schedule == "1f1b":
+        schedule = Schedule1F1B(stages[0], **common)
+    elif p.pp_schedule == "interleaved_1f1b":
+        schedule = ScheduleInterleaved1F1B(stages, **common)
+    elif p.pp_schedule == "zero_bubble":
+        schedule = ScheduleInterleavedZeroBubble(stages, **common)
+    elif p.pp_schedule == "zbv":
+        schedule = ScheduleZBVZeroBubble(stages, **common)
+    else:  # the config's Literal keeps this unreachable; say so if it is reached anyway
+        raise PipelineConfigError(f"parallelism.pp_schedule={p.pp_schedule!r} is unknown; use one of {SCHEDULES}")
+    return Pipeline(schedule=schedule, parts=parts, stage_ids=ids, n_stages=n_stages, microbatches=m)
+
+
+def apply_pp(
+    model: nn.Module,
+    model_cfg: ModelConfig,
+    p: ParallelConfig,
+    pp_mesh: Any,
+    device: torch.device,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    local_batch_size: int,
+    parallelize: Callable[[nn.Module], nn.Module] | None = None,
+) -> Pipeline:
+    """Split the meta `model` into this pp rank's stages, parallelise each part with
+    `parallelize` (TP/AC/FSDP and weight init, as for a whole model), and build the schedule.
+
+    pp_mesh: the 1-D "pp" DeviceMesh (or a ProcessGroup).
+    """
+    group = pp_mesh.get_group() if hasattr(pp_mesh, "get_group") else pp_mesh
+    import torch.distributed as dist
+
+    pp_rank = dist.get_rank(group)
+    parts, ids, n_stages = split_model(model, model_cfg, p, pp_rank)
+    if parallelize is not None:
+        parts = [parallelize(part) for part in parts]
+    return build_schedule(parts, ids, n_stages, p, group, device, loss_fn, local_batch_size)

@@ -165,6 +165,11 @@ class LocalLauncher:
         self.nproc = nproc
         self.output_dir = Path(output_dir if output_dir is not None else cfg.training.output_dir).resolve()
         self.cfg.training.output_dir = str(self.output_dir)
+        # Paths as the caller meant them (relative to its folder), whatever folder a rank reads them in.
+        if self.cfg.data.path:
+            self.cfg.data.path = str(Path(self.cfg.data.path).expanduser().resolve())
+        if self.cfg.model.init_from:
+            self.cfg.model.init_from = str(Path(self.cfg.model.init_from).expanduser().resolve())
         self.extra_env = dict(env or {})
         self.show_progress = show_progress
         self.on_event = on_event
@@ -218,7 +223,7 @@ class LocalLauncher:
                     proc = subprocess.Popen(
                         [sys.executable, "-m", "workers.rank_main", "--config", str(job_file),
                          "--output", str(self.output_dir)],
-                        env=env, cwd=str(_REPO_ROOT), stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                        env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
                         pass_fds=pass_fds, start_new_session=True,
                     )
                 self.procs.append(proc)

@@ -48,6 +48,7 @@ def find_weed() -> str:
 
 def _free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the Go server binds
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
@@ -120,7 +121,7 @@ class LocalS3Server:
                  "actions": ["Admin", "Read", "Write", "List", "Tagging"]}  # fmt: skip
         cfg_path.write_text(json.dumps({"identities": [ident]}))
         cfg_path.chmod(0o600)
-        if self.base_port is None or not _free(self.port):
+        if self.base_port is None:  # a restart keeps its ports: clients still point at them
             self.base_port = self._pick_ports()
         b = self.base_port
         args = [find_weed(), "mini", f"-dir={self.data_dir / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",

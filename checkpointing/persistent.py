@@ -88,7 +88,7 @@ def _describe_failure(e: BaseException) -> str:
     if isinstance(failures, dict) and failures:
         parts = []
         for rank, wrapped in sorted(failures.items()):
-            exc = getattr(wrapped, "exc", wrapped)
+            exc = wrapped[0] if isinstance(wrapped, tuple) else wrapped  # (exception, stack summary)
             parts.append(f"rank {rank}: {exc}")
         return "; ".join(parts)
     return f"{type(e).__name__}: {e}" if not isinstance(e, StorageError) else str(e)

@@ -160,6 +160,10 @@ def structural_reasons(layout: Layout, model: ModelConfig, train: TrainConfig) -
             r.append(f"tp={t} does not divide the MLP width {model.ffn_dim}; use a divisor of it")
         if model.moe is not None and (model.moe.hidden_dim or model.ffn_dim) % t:
             r.append(f"tp={t} does not divide the expert width; use a divisor of it")
+        if model.vocab_size % t:
+            r.append(f"tp={t} does not divide vocab_size={model.vocab_size}; use a divisor of it")
+        if model.tie_embeddings:
+            r.append(f"tp={t} with tied embeddings is not supported by the engine; use tp=1 or untie them")
     if layout.pp > 1:
         v = layout.stages_per_rank
         stages = layout.pp * v
@@ -187,6 +191,8 @@ def structural_reasons(layout: Layout, model: ModelConfig, train: TrainConfig) -
             if layout.shard_group % layout.ep:
                 r.append(f"ep={layout.ep} must divide dp_shard×cp={layout.shard_group} (experts borrow those "
                          f"ranks); raise dp_shard or lower ep")
+            if layout.ep % layout.cp:
+                r.append(f"ep={layout.ep} must be a multiple of cp={layout.cp} (the ep group spans all of cp)")
     if train.global_batch_size < layout.dp:
         r.append(f"global_batch_size={train.global_batch_size} is smaller than dp={layout.dp}: some ranks "
                  f"would train on padding only; raise global_batch_size or lower dp")

@@ -103,6 +103,81 @@ class MemoryEstimate:
         }
 
 
+def engine_layer_units(model: ModelConfig, t: int, sp: bool, moe_layer: bool) -> tuple[float, float]:
+    """Tensors autograd keeps for one block of parallel/model.py, in s·b·h elements:
+    (held whole on each tp rank, divided by t). Counted from the block's code (and checked with
+    saved_tensors_hooks on the `small` preset: 21.3 measured vs 21 here):
+    the block input and the residual (RMSNorm inputs) 2; the two norm outputs the linears keep 2;
+    q after RoPE, k and v expanded to all heads (repeat_interleave), the attention output and the
+    wo input 5; RoPE temporaries 1; SwiGLU's w1 and w3 outputs, silu output and product 4·f/h.
+    A MoE layer runs the SwiGLU part per chosen expert and keeps the permuted tokens (2 per choice).
+    Under DTensor TP with sequence parallelism the norm outputs are all-gathered before the
+    colwise linears and kept whole; without SP the norms run on whole sequences."""
+    h = model.dim
+    if moe_layer and model.moe is not None:
+        k = model.moe.top_k
+        mlp = 4 * (model.moe.hidden_dim or model.ffn_dim) / h * k + 2 * k
+    else:
+        mlp = 4 * model.ffn_dim / h
+    if t == 1:
+        return 0.0, 10 + mlp
+    if sp:
+        return 2.0, 8 + mlp
+    return 4.0, 6 + mlp
+
+
+def activation_terms(model: ModelConfig, train: TrainConfig, rp: RankParams, s: int, b: int, t: int, sp: bool,
+                     inflight: float, activation_model: str, scores_stored: bool) -> list[Term]:
+    """Stored activations of the rank's layers for the in-flight micro-batches, plus the working set
+    of the layer being back-propagated (its activation gradients; with AC also its recomputed forward)."""
+    ab = ACT_BYTES[train.dtype]
+    ac = train.activation_checkpointing
+    sbh = s * b * model.dim
+    dense_layers = rp.layers - rp.moe_layers
+    tt = t if sp else 1
+    if ac == "full":
+        n_ckpt = rp.layers
+    elif ac == "selective":
+        n_ckpt = (rp.layers + 1) // 2  # the engine checkpoints every other block (ids 0, 2, 4, ...)
+    else:
+        n_ckpt = 0
+    kept_input = sbh / tt * ab  # a checkpointed block keeps only its input
+    if activation_model == "korthikanti":
+        per = korthikanti_layer_bytes(s, b, model.dim, model.n_heads, t, sp, "none", scores_stored) * ab / 2
+        per_dense = per_moe = per
+        if rp.moe_layers and model.moe is not None:
+            widen = (model.moe.hidden_dim or model.ffn_dim) / model.ffn_dim
+            per_moe = per + 19 * sbh * (model.moe.top_k * widen - 1) / tt * ab / 2  # the MLP's 19sbh per expert
+        coef = "34" + (" + 5as/h" if scores_stored else "")
+        formula = f"sbh({coef})/t × (bytes/2) per kept layer"
+        unit_txt = f"{s}·{b}·{model.dim}·({coef}) / {tt} × {ab / 2:g}"
+    else:
+        full_d, shard_d = engine_layer_units(model, t, sp, False)
+        full_m, shard_m = engine_layer_units(model, t, sp, True)
+        per_dense = (full_d + shard_d / t) * sbh * ab
+        per_moe = (full_m + shard_m / t) * sbh * ab
+        formula = "s·b·h·(whole + split/t)·bytes per kept layer (this engine's saved tensors)"
+        unit_txt = f"{s}·{b}·{model.dim}·({g(full_d)} + {g(shard_d)}/{t}) × {ab}"
+    # Checkpointed blocks are spread like the others; keep the MoE share proportional.
+    kept = rp.layers - n_ckpt
+    kept_moe = round(kept * rp.moe_layers / rp.layers) if rp.layers else 0
+    stored = (kept_moe * per_moe + (kept - kept_moe) * per_dense + n_ckpt * kept_input) * inflight
+    ac_txt = f", {n_ckpt} checkpointed (input only: s·b·h/t·bytes)" if n_ckpt else ""
+    moe_txt = f" ({rp.moe_layers} MoE, top_k={model.moe.top_k})" if rp.moe_layers and model.moe else ""
+    terms = [Term(
+        "activations", stored, formula + " × kept layers × in-flight",
+        f"{unit_txt} × {kept} kept layers{moe_txt}{ac_txt} × {inflight:g} in flight",
+    )]
+    biggest = per_moe if rp.moe_layers else per_dense
+    if dense_layers == 0 and not rp.moe_layers:
+        biggest = 0.0
+    terms.append(Term("backward working set", biggest, "one layer's activations (its gradients in backward)",
+                      unit_txt))
+    if n_ckpt:
+        terms.append(Term("recompute (one layer)", biggest, "one checkpointed layer re-run in backward", unit_txt))
+    return terms
+
+
 @dataclass(frozen=True)
 class RankParams:
     dense: float  # local (after tp) parameters sharded over the FSDP group
@@ -141,15 +216,20 @@ def rank_params(model: ModelConfig, layout: Layout, which: str) -> RankParams:
 
 
 def estimate_memory(model: ModelConfig, train: TrainConfig, layout: Layout, cluster: Cluster,
-                    scores_stored: bool = False) -> MemoryEstimate:
-    """The worst rank's peak; pipeline first and last ranks are both computed."""
+                    activation_model: str = "engine", scores_stored: bool = False) -> MemoryEstimate:
+    """The worst rank's peak; pipeline first and last ranks are both computed.
+
+    activation_model: "engine" counts the tensors parallel/model.py's block keeps for backward
+    (the default: it is what runs); "korthikanti" uses the paper's GPT-layer formula."""
+    if activation_model not in ("engine", "korthikanti"):
+        raise ValueError(f"activation_model={activation_model!r}; use engine or korthikanti")
     whiches = ["only"] if layout.pp == 1 else ["first", "last"]
-    ests = [_estimate_rank(model, train, layout, cluster, w, scores_stored) for w in whiches]
+    ests = [_estimate_rank(model, train, layout, cluster, w, activation_model, scores_stored) for w in whiches]
     return max(ests, key=lambda e: e.peak)
 
 
 def _estimate_rank(model: ModelConfig, train: TrainConfig, layout: Layout, cluster: Cluster, which: str,
-                   scores_stored: bool) -> MemoryEstimate:
+                   activation_model: str, scores_stored: bool) -> MemoryEstimate:
     hw = cluster.hardware
     dtype = train.dtype
     rp = rank_params(model, layout, which if which != "only" else "first")
@@ -191,35 +271,11 @@ def _estimate_rank(model: ModelConfig, train: TrainConfig, layout: Layout, clust
 
     # Activations.
     ab = ACT_BYTES[dtype]
-    s, b, h, a, t = bs.seq_local, bs.micro_batch, model.dim, model.n_heads, layout.tp
+    s, b, t = bs.seq_local, bs.micro_batch, layout.tp
     sp = layout.sequence_parallel or t == 1
-    ac = train.activation_checkpointing
-    scale = ab / 2
-    per_dense = korthikanti_layer_bytes(s, b, h, a, t, sp, ac, scores_stored) * scale
-    per_moe = per_dense
-    if rp.moe_layers and ac != "full":
-        k = model.moe.top_k
-        widen = (model.moe.hidden_dim or model.ffn_dim) / model.ffn_dim
-        # The MLP's 19sbh of the 34 runs once per chosen expert.
-        per_moe = per_dense + 19 * s * b * h * (k * widen - 1) / (t if sp else 1) * scale
     first_inflight, last_inflight = inflight_microbatches(layout, bs.n_micro)
     inflight = first_inflight if which in ("first", "only") else last_inflight
-    dense_layers = rp.layers - rp.moe_layers
-    stored = (dense_layers * per_dense + rp.moe_layers * per_moe) * inflight
-    coef = {"none": "34" + (" + 5as/h" if scores_stored else ""), "selective": "34", "full": "2"}[ac]
-    tdiv = "/t" if sp else "(10 + 24/t)"
-    sp_txt = f"sbh({coef}){tdiv}" if sp else f"sbh{tdiv}"
-    fwd_bwd = [Term(
-        "activations", stored,
-        f"{sp_txt} × (bytes/2) × layers × in-flight",
-        f"{s}·{b}·{h}·({coef}) / {t if sp else 1} × {scale:g} × {rp.layers} layers"
-        + (f" ({rp.moe_layers} MoE, top_k={model.moe.top_k})" if rp.moe_layers else "")
-        + f" × {inflight:g} in flight",
-    )]
-    if ac == "full":
-        one = korthikanti_layer_bytes(s, b, h, a, t, sp, "none", scores_stored) * scale
-        fwd_bwd.append(Term("recompute (one layer)", one, "sbh(34)/t × (bytes/2)",
-                            f"{s}·{b}·{h}·34 / {t if sp else 1} × {scale:g}"))
+    fwd_bwd = activation_terms(model, train, rp, s, b, t, sp, inflight, activation_model, scores_stored)
     if rp.has_output:
         vt = t if (layout.tp > 1) else 1
         logits_inflight = last_inflight if layout.pp > 1 else 1
@@ -241,6 +297,10 @@ def _estimate_rank(model: ModelConfig, train: TrainConfig, layout: Layout, clust
             v = rp.largest_unit * (2 * wb + gb)
             fwd_bwd.append(Term("FSDP unsharded weights", v, "Ψ_layer·(2·w + g) (current + prefetched layer)",
                                 f"{g(rp.largest_unit)} × (2 × {wb} + {gb})"))
+    if hw.transient_slack != 1.0:
+        live = total(fwd_bwd)
+        fwd_bwd.append(Term("allocator slack", live * (hw.transient_slack - 1), "(slack − 1) × forward/backward",
+                            f"({hw.transient_slack:g} − 1) × {fmt_bytes(live)} ({hw.name} preset)"))
     # foreach AdamW allocates a temporary the size of the local fp32 weights (sqrt of the variance).
     local_master = psi / (n if stage >= 1 and not layout.cpu_offload else 1) * 4
     if layout.cpu_offload:
@@ -266,7 +326,7 @@ def memory_reasons(est: MemoryEstimate, layout: Layout, train: TrainConfig) -> l
         return r
     items = {t.name: t.value for t in est.persistent + est.fwd_bwd}
     states = items.get("parameters", 0) + items.get("gradients", 0) + items.get("optimizer states", 0)
-    act = items.get("activations", 0) + items.get("recompute (one layer)", 0) + items.get("logits", 0)
+    act = sum(items.get(k, 0) for k in ("activations", "backward working set", "recompute (one layer)", "logits"))
     head = f"needs {fmt_bytes(est.peak)} per device of {fmt_bytes(est.capacity)} usable"
     where = f" on the {est.rank} pipeline rank" if est.rank in ("first", "last") else ""
     if act >= states:

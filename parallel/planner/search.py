@@ -129,7 +129,7 @@ def enumerate_layouts(model: ModelConfig, world: int, cluster: Cluster, base: Pa
                         continue
                     eps = [1]
                     if model.moe is not None:
-                        eps = [e for e in _divisors(model.moe.num_experts) if (shard * cp) % e == 0]
+                        eps = [e for e in _divisors(model.moe.num_experts) if (shard * cp) % e == 0 and e % cp == 0]
                     if "ep" in fixed:
                         eps = [fixed["ep"]]
                     for ep in eps:

@@ -90,5 +90,11 @@ def clip_grad_norm_(
     params = [p for p in parameters if p.grad is not None]
     total = grad_norm(params, pp_group)
     if max_norm is not None and params:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+        # One foreach call per mesh: DTensor ops refuse to mix meshes (e.g. TP without sequence
+        # parallelism leaves norms on the FSDP mesh alone, the rest on FSDP x TP).
+        by_mesh: dict[object, list[nn.Parameter]] = defaultdict(list)
+        for p in params:
+            by_mesh[p.grad.device_mesh if isinstance(p.grad, DTensor) else None].append(p)
+        for same in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(same, max_norm, total, foreach=True)
     return float(total)

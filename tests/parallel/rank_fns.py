@@ -70,3 +70,8 @@ def elastic_segments(ctx: Any, payload: dict[str, Any]) -> list[float]:
             raise AssertionError("rank 0 takes part in every segment")
         prev = path
     return losses
+
+
+def parity_and_elastic(ctx: Any, payload: dict[str, Any]) -> dict[str, Any]:
+    """Both checks in one launch: process start-up dominates on a small machine."""
+    return {"parity": parity_layouts(ctx, payload), "elastic": elastic_segments(ctx, payload["elastic"])}

@@ -106,9 +106,6 @@ def list_jobs(
     token: str = TOKEN,
 ) -> None:
     """List jobs, newest first."""
-    from rich.console import Console
-    from rich.table import Column, Table
-
     with _client(url, token) as c:
         if all_pages:
             jobs = _run(lambda: list(c.iter_jobs(status=status, owner=owner, name=name, limit=limit)))
@@ -116,14 +113,15 @@ def list_jobs(
         else:
             page = _run(lambda: c.list(status=status, owner=owner, name=name, limit=limit))
             jobs, more = page.items, page.next_cursor
-    table = Table("NAME", "OWNER", "STATUS", "PRIO", "STEP", "LOSS", "DP", "CREATED (UTC)")
-    table.columns.insert(0, Column("ID", no_wrap=True, min_width=16))
+    rows = [("ID", "NAME", "OWNER", "STATUS", "PRIO", "STEP", "LOSS", "DP", "CREATED (UTC)")]
     for j in jobs:
         p = j.progress
         step = "-" if p.step is None else f"{p.step}/{p.total_steps}"
-        table.add_row(j.id, j.name, j.owner, j.status, str(j.priority), step, _fmt(p.loss, ".4f"), _fmt(p.dp),
-                      _ts(j.created_at))
-    Console().print(table)
+        rows.append((j.id, j.name, j.owner, j.status, str(j.priority), step, _fmt(p.loss, ".4f"), _fmt(p.dp),
+                     _ts(j.created_at)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        typer.echo("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())
     if more:
         typer.echo("(more: --all, or raise --limit)", err=True)
 

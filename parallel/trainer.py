@@ -23,17 +23,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from parallel import dist as pdist
 from parallel.ac import apply_ac
 from parallel.config import EngineConfig
+from parallel.cp import apply_cp, shard_batch
 from parallel.data import DataLoader
 from parallel.dims import ParallelDims
+from parallel.ep import apply_ep, apply_expert_fsdp, expert_fsdp_mesh
 from parallel.fsdp import apply_fsdp, needs_sync_toggle
 from parallel.loss import loss_context, token_loss_sum
 from parallel.metrics import device_peak_flops, flops_per_token, mfu, peak_memory_bytes
 from parallel.model import build_model, init_weights
+from parallel.moe import set_aux_scale
 from parallel.optim import build_optimizer, build_scheduler, clip_grad_norm_, set_scheduler_step
+from parallel.pp import Pipeline
 from parallel.tp import apply_tp
 
 
@@ -61,17 +66,17 @@ class Trainer:
         world = pdist.world_size()
         self.dims = ParallelDims.from_config(cfg.parallelism, world)
         self.dims.validate(cfg.model, cfg.training, cfg.parallelism)
-        for name, size in (("pp", self.dims.pp), ("cp", self.dims.cp), ("ep", self.dims.ep)):
-            if size > 1:
-                raise NotImplementedError(
-                    f"parallelism.{name}={size}: this Trainer runs dp/fsdp/hsdp/tp layouts; "
-                    f"set {name}: 1 (pipeline, context and expert parallelism live in parallel.{name})"
-                )
         self.mesh: DeviceMesh | None = self.dims.build_mesh(self.device.type) if world > 1 else None
         self.dp_rank = self.dims.dp_rank(self.mesh)
         t = cfg.training
         self.bf16 = t.dtype == "bfloat16"
+        self.pipeline: Pipeline | None = None  # set when pp > 1 (see parallel.pp_step)
         self.model: nn.Module = self._build_model()
+        if cfg.model.moe is not None:
+            # One sequence's load-balancing loss weighs coef / global batch; times fsdp_size, as
+            # the token loss is, because FSDP averages gradients.
+            aux_scale = cfg.model.moe.aux_loss_coef * self.dims.fsdp_size / t.global_batch_size
+            set_aux_scale(self.model, aux_scale)
         self.optimizer = build_optimizer(self.model, t, self.device)
         self.scheduler = build_scheduler(self.optimizer, t)
         self.data = DataLoader(cfg.data, t.seq_len, t.global_batch_size, cfg.model.vocab_size, t.micro_batch_size)
@@ -85,11 +90,28 @@ class Trainer:
 
     # --- construction ----------------------------------------------------------------------
     def _build_model(self) -> nn.Module:
+        model = build_model(self.cfg.model, device="meta")
+        if self.dims.pp_enabled:  # each stage is parallelised like a whole model
+            from parallel.pp_step import build_pipeline
+
+            self.pipeline, view = build_pipeline(model, self, self._parallelize, self._pp_loss)
+            return view
+        return self._parallelize(model)
+
+    def _pp_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return token_loss_sum(logits, targets) * self._grad_scale
+
+    def _parallelize(self, model: nn.Module) -> nn.Module:
         cfg, dims, p, t = self.cfg, self.dims, self.cfg.parallelism, self.cfg.training
-        model = build_model(cfg.model, device="meta")
         if dims.tp_enabled:
             assert self.mesh is not None
             apply_tp(model, dims.get_mesh(self.mesh, "tp"), sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel)
+        if dims.ep_enabled:
+            assert self.mesh is not None
+            apply_ep(model, dims.get_mesh(self.mesh, "ep"))
+        if dims.cp_enabled:
+            assert self.mesh is not None
+            apply_cp(model, dims.get_mesh(self.mesh, "cp"), impl=p.cp_impl)
         apply_ac(model, t.activation_checkpointing)
         if t.compile:
             for name, block in list(model.layers.items()):
@@ -97,10 +119,19 @@ class Trainer:
         self.fsdp = dims.fsdp_enabled
         if self.fsdp:
             assert self.mesh is not None
+            # Pipeline stages keep parameters gathered after forward: zero-bubble schedules need it.
+            reshard = False if dims.pp_enabled else None
+            if dims.ep_enabled:
+                apply_expert_fsdp(
+                    model, expert_fsdp_mesh(dims, self.mesh), dims.fsdp_size,
+                    reshard_after_forward=p.zero_stage == 3 and not dims.pp_enabled,
+                    mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                    if self.bf16 else None,
+                )
             apply_fsdp(
                 model, dims.fsdp_mesh(self.mesh), zero_stage=p.zero_stage,
                 param_dtype=torch.bfloat16 if self.bf16 else torch.float32, reduce_dtype=torch.float32,
-                cpu_offload=p.cpu_offload, device_type=self.device.type,
+                cpu_offload=p.cpu_offload, device_type=self.device.type, reshard_after_forward=reshard,
             )
         init_device = torch.device("cpu") if (self.fsdp and p.cpu_offload) else self.device
         init_weights(model, cfg.model, device=init_device)
@@ -129,14 +160,29 @@ class Trainer:
         lr = self.optimizer.param_groups[0]["lr"]
         toggle = self.fsdp and needs_sync_toggle(self.cfg.parallelism.zero_stage)
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        if self.pipeline is not None:
+            from parallel.pp_step import pipeline_step
+
+            assert self.mesh is not None
+            with loss_context(self._loss_parallel), self._autocast():
+                pp_group = self.dims.get_mesh(self.mesh, "pp").get_group()
+                loss_sum += pipeline_step(self.pipeline, micro, self.device, pp_group)
+            loss_sum /= self._grad_scale
+            micro = []
         for i, (inputs, targets) in enumerate(micro):
             if toggle:
                 self.model.set_requires_gradient_sync(i == len(micro) - 1)
+            positions = None
+            if self.dims.cp_enabled:  # this rank's zigzag shard of every sequence
+                assert self.mesh is not None
+                cp = self.dims.get_mesh(self.mesh, "cp")
+                inputs, targets, positions = shard_batch(inputs, targets, cp.get_local_rank(), cp.size())
             inputs = inputs.to(self.device, non_blocking=True)
             targets = targets.to(self.device, non_blocking=True)
+            positions = positions.to(self.device) if positions is not None else None
             with loss_context(self._loss_parallel):
                 with self._autocast():
-                    logits = self.model(inputs)
+                    logits = self.model(inputs, positions=positions)
                 loss = token_loss_sum(logits, targets)
                 (loss * self._grad_scale).backward()
             loss_sum += loss.detach()
@@ -195,5 +241,11 @@ class Trainer:
 
         if self.mesh is None:
             return {k: v.detach().cpu().clone() for k, v in get_model_state_dict(self.model).items()}
+        if self.pipeline is not None:  # each pp rank gathers its stages, pp rank 0 merges them
+            from parallel.pp_step import gather_full_state
+
+            full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+            local = {k: v.detach().cpu().clone() for k, v in full.items()}
+            return gather_full_state(local, self.dims.get_mesh(self.mesh, "pp").get_group())
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_model_state_dict(self.model, options=opts)

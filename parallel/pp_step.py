@@ -1,0 +1,73 @@
+"""The Trainer's pipeline-parallel path: building the stages, one train step, the full state.
+
+Kept apart from `parallel.trainer` so the dense path stays short. The stages of one pp rank are
+presented to the rest of the Trainer (optimizer, DCP state dicts, grad clipping) as one module,
+`StageView`, whose parameter names are the global ones (`layers.5.attention.wq.weight`): a
+checkpoint written with pp=2 loads into pp=1 and back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallel.pp import Pipeline, apply_pp
+
+
+class StageView(nn.Module):
+    """The union of this rank's stage modules with the whole model's names (shares their parameters)."""
+
+    def __init__(self, parts: list[nn.Module]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict()
+        for part in parts:
+            for name, block in part.layers.items():
+                self.layers[name] = block
+            for attr in ("tok_embeddings", "norm", "output"):
+                if getattr(part, attr, None) is not None:
+                    setattr(self, attr, getattr(part, attr))
+        # Sorted by global layer index, as the whole model lists them.
+        self.layers = nn.ModuleDict(sorted(self.layers.items(), key=lambda kv: int(kv[0])))
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a pipeline rank's StageView is not callable; run Pipeline.step")
+
+
+def build_pipeline(
+    model: nn.Module,
+    trainer: Any,
+    parallelize: Callable[[nn.Module], nn.Module],
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> tuple[Pipeline, StageView]:
+    """Cut the meta `model` into this rank's stages, parallelise each, build the schedule."""
+    cfg, dims, mesh = trainer.cfg, trainer.dims, trainer.mesh
+    local_bs = dims.local_batch_size(cfg.training.global_batch_size)
+    pipe = apply_pp(model, cfg.model, cfg.parallelism, mesh["pp"], trainer.device, loss_fn, local_bs, parallelize)
+    return pipe, StageView(pipe.parts)
+
+
+def pipeline_step(pipe: Pipeline, micro: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
+                  pp_group: dist.ProcessGroup) -> torch.Tensor:
+    """One step over this dp rank's rows (all its micro-batches joined: the schedule re-cuts
+    them into pp_microbatches). Returns the sum of what the loss function returned, on every pp rank."""
+    inputs = torch.cat([x for x, _ in micro]).to(device, non_blocking=True)
+    targets = torch.cat([y for _, y in micro]).to(device, non_blocking=True)
+    total = pipe.step(inputs, targets)
+    dist.all_reduce(total, group=pp_group)  # only the last stage's rank holds the losses
+    return total
+
+
+def gather_full_state(local_full: dict[str, torch.Tensor], pp_group: dist.ProcessGroup) -> dict[str, torch.Tensor]:
+    """Merge every pp rank's full (unsharded, CPU) stage tensors; the result is valid on pp rank 0."""
+    world = dist.get_world_size(pp_group)
+    gathered: list[Any] = [None] * world if dist.get_rank(pp_group) == 0 else []
+    dist.gather_object(local_full, gathered if gathered else None, dst=dist.get_global_rank(pp_group, 0),
+                       group=pp_group)
+    merged: dict[str, torch.Tensor] = {}
+    for part in gathered:
+        merged.update(part)
+    return merged

@@ -7,9 +7,10 @@ Layouts (built with torch directly): "fsdp" (FSDP2 over all ranks) saved to S3 (
   restore phases (world 2, 3, 4; TP layouts only where 2 divides the world): build a fresh model
   with other init weights, latest_valid(), load with resharding, compare the full gathered state with
   the reference exactly, then train step 3 from it and compare the loss with the uninterrupted one.
-Then the same with the engine's Trainer (FSDP over all ranks, to S3): save at step 5 of a world-4
-run while it goes on to step 15; restored at worlds 2 and 3, the next 10 losses match the
-uninterrupted run (batch invariance makes them dp-independent). Ranks not in a phase's world sit it out; every phase forms a new group on a new store port, the way
+Then the same with the engine's Trainer (to S3): save at step 5 of a world-4 run while it goes on to
+step 15; FSDP 4 restored at worlds 2 and 3, FSDP 2 x TP 2 (the engine's apply_tp: sequence and loss
+parallel) restored at world 2 (dp 1 x tp 2): the next 10 losses match the uninterrupted run (batch
+invariance makes them dp-independent). Ranks not in a phase's world sit it out; every phase forms a new group on a new store port, the way
 elastic recovery re-forms in the same processes.
 """
 
@@ -89,7 +90,7 @@ def full_state(model: torch.nn.Module, opt: torch.optim.Optimizer, extra: dict[s
 
 
 def cfg_for(layout: str, workdir: Path) -> CheckpointConfig:
-    if layout in ("fsdp", "trainer"):
+    if layout == "fsdp" or layout.startswith("trainer"):
         s3 = S3Config(endpoint_url=os.environ["UB_S3_ENDPOINT"], region="us-east-1",
                       access_key_id=os.environ["UB_S3_KEY"], secret_access_key=os.environ["UB_S3_SECRET"],
                       part_size_mb=5, max_concurrency=4)  # fmt: skip
@@ -117,38 +118,38 @@ def compare(ref: dict[str, Any], got: dict[str, Any], what: str) -> None:
 TRAIN_STEPS = 15
 
 
-def engine_cfg(init_seed: int) -> Any:
+def engine_cfg(init_seed: int, tp: int) -> Any:
     from parallel.config import EngineConfig
 
     return EngineConfig.model_validate({
         "model": {"preset": "tiny", "init_seed": init_seed},
         "training": {"steps": TRAIN_STEPS, "seq_len": SEQ, "global_batch_size": GLOBAL_BATCH, "warmup_steps": 2,
                      "lr": 1e-2},
-        "parallelism": {"dp_shard": -1},
+        "parallelism": {"dp_shard": -1, "tp": tp},
     })  # fmt: skip
 
 
-def trainer_save(rank: int, world: int, workdir: Path) -> None:
+def trainer_save(rank: int, world: int, workdir: Path, tp: int) -> None:
     from parallel.trainer import Trainer
 
-    trainer = Trainer(engine_cfg(0), device=torch.device("cpu"))
+    trainer = Trainer(engine_cfg(0, tp), device=torch.device("cpu"))
     for _ in range(5):
         trainer.train_step()
-    mgr = CheckpointManager(cfg_for("trainer", workdir), "unused", rank=rank, world_size=world)
-    handle = mgr.save_async(trainer.state_dict(), trainer.step, generation=0, layout={"dp_shard": world})
+    mgr = CheckpointManager(cfg_for(f"trainer-tp{tp}", workdir), "unused", rank=rank, world_size=world)
+    handle = mgr.save_async(trainer.state_dict(), trainer.step, generation=0, layout={"dp_shard": world // tp, "tp": tp})
     losses = [trainer.train_step().loss for _ in range(TRAIN_STEPS - 5)]  # while the upload runs
     res = handle.result()
     assert res.ok, res.error
     mgr.close()
     if rank == 0:
-        torch.save(losses, workdir / "trainer_losses.pt")
+        torch.save(losses, workdir / f"trainer_tp{tp}_losses.pt")
 
 
-def trainer_restore(rank: int, world: int, workdir: Path) -> None:
+def trainer_restore(rank: int, world: int, workdir: Path, tp: int) -> None:
     from parallel.trainer import Trainer
 
-    trainer = Trainer(engine_cfg(42), device=torch.device("cpu"))  # other weights: all must come from disk
-    mgr = CheckpointManager(cfg_for("trainer", workdir), "unused", rank=rank, world_size=world)
+    trainer = Trainer(engine_cfg(42, tp), device=torch.device("cpu"))  # other weights: all from disk
+    mgr = CheckpointManager(cfg_for(f"trainer-tp{tp}", workdir), "unused", rank=rank, world_size=world)
     state = trainer.state_dict()  # built for this mesh, fresh optimizer state included
     info = mgr.latest_valid()
     assert info is not None and info.step == 5, (info, mgr.skipped)
@@ -158,10 +159,10 @@ def trainer_restore(rank: int, world: int, workdir: Path) -> None:
     losses = [trainer.train_step().loss for _ in range(TRAIN_STEPS - 5)]
     mgr.close()
     if rank == 0:
-        ref = torch.load(workdir / "trainer_losses.pt")
+        ref = torch.load(workdir / f"trainer_tp{tp}_losses.pt")
         diff = max(abs(a - b) for a, b in zip(ref, losses, strict=True))
         assert diff <= 1e-4, f"world {world}: losses {losses} vs uninterrupted {ref}"
-        print(f"OK trainer 4->{world}: 10 steps match the uninterrupted run (max diff {diff:.2e})", flush=True)
+        print(f"OK trainer tp{tp} 4->{world}: 10 steps match the uninterrupted run (max diff {diff:.2e})", flush=True)
 
 
 def main() -> None:
@@ -190,7 +191,8 @@ def main() -> None:
         if rank == 0:
             torch.save({"ref": ref, "loss3": loss3}, workdir / f"ref_{layout}.pt")
         del model, opt
-    trainer_save(rank, world0, workdir)
+    for tp in (1, 2):
+        trainer_save(rank, world0, workdir, tp)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -221,7 +223,9 @@ def main() -> None:
                           f"{loss3:.6f} vs {saved['loss3']:.6f}", flush=True)  # fmt: skip
                 del model, opt
             if world < 4:
-                trainer_restore(rank, world, workdir)
+                trainer_restore(rank, world, workdir, tp=1)
+            if world == 2:
+                trainer_restore(rank, world, workdir, tp=2)
             dist.barrier()
             dist.destroy_process_group()
     print(f"rank {rank} done", flush=True)

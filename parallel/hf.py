@@ -151,6 +151,14 @@ def export_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str) ->
         if hasattr(t, "full_tensor"):  # a DTensor slipped through: gather it
             t = t.full_tensor()
         out[to_hf_name(name)] = t.detach().to("cpu").contiguous().clone()
+    if cfg.tie_embeddings and "output.weight" in state:
+        head, emb = state["output.weight"], state["tok_embeddings.weight"]
+        if head.shape != emb.shape or not torch.equal(head.detach().cpu(), emb.detach().cpu()):
+            # HF would use the embedding as the head: exporting would silently change the model.
+            raise HFInteropError(
+                "model.tie_embeddings=true but output.weight differs from tok_embeddings.weight in the state; "
+                "the weights were not tied during training, so they cannot be exported as a tied model"
+            )
     dtypes = {t.dtype for t in out.values()}
     path = Path(out_dir)
     path.mkdir(parents=True, exist_ok=True)

@@ -110,3 +110,11 @@ def test_mismatched_and_bad_folders_are_refused(tmp_path: Path) -> None:
     moe = ModelConfig(preset="mixtral-tiny")
     with pytest.raises(HFInteropError, match="model.moe"):
         export_hf({}, moe, str(tmp_path / "moe"))
+
+
+def test_untied_state_for_a_tied_config_is_refused(tmp_path: Path) -> None:
+    cfg = CONFIGS["tiny-mha-tied"]
+    state = _state(_our_model(cfg))
+    state["output.weight"] = state["tok_embeddings.weight"] + 1.0
+    with pytest.raises(HFInteropError, match="not tied during training"):
+        export_hf(state, cfg, str(tmp_path))

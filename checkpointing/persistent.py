@@ -26,7 +26,7 @@ import contextlib
 import logging
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -46,13 +46,13 @@ from checkpointing.catalog import (
 from checkpointing.config import CheckpointConfig
 from checkpointing.dcp_storage import ObjectStoreReader, ObjectStoreWriter
 from checkpointing.manifest import MANIFEST_NAME, FileEntry, Manifest, step_dir
-from checkpointing.object_store import StorageError
+from checkpointing.object_store import ChecksumMismatch, ObjectMissing, StorageError
 from checkpointing.state import HostStager
 from checkpointing.uri import open_store
 
 log = logging.getLogger("unbroken.checkpoint")
 
-__all__ = ["CheckpointInfo", "CheckpointManager", "SaveHandle", "SaveResult", "VerifyReport"]
+__all__ = ["CheckpointInfo", "CheckpointManager", "CorruptCheckpoint", "SaveHandle", "SaveResult", "VerifyReport"]
 
 
 @dataclass
@@ -81,6 +81,10 @@ class SaveHandle:
     def result(self, timeout: float | None = None) -> SaveResult:
         return self._future.result(timeout)
 
+    def add_done_callback(self, fn: Callable[[SaveResult], None]) -> None:
+        """fn(result) on the upload thread once the save ends (ok or not)."""
+        self._future.add_done_callback(lambda f: fn(f.result()))
+
 
 def _describe_failure(e: BaseException) -> str:
     """The root causes of a (possibly multi-rank) DCP failure, one line each."""
@@ -92,6 +96,17 @@ def _describe_failure(e: BaseException) -> str:
             parts.append(f"rank {rank}: {exc}")
         return "; ".join(parts)
     return f"{type(e).__name__}: {e}" if not isinstance(e, StorageError) else str(e)
+
+
+def _root_causes(e: BaseException) -> list[BaseException]:
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        return [w[0] if isinstance(w, tuple) else w for w in failures.values()]
+    return [e.__cause__ or e]
+
+
+class CorruptCheckpoint(StorageError):
+    """Loading failed because stored bytes did not match the manifest (an older one may be fine)."""
 
 
 @contextlib.contextmanager
@@ -127,6 +142,11 @@ class CheckpointManager:
         self.pg = process_group
         if self.distributed and self.pg is None:
             self.pg = dist.new_group(backend="gloo")
+        if self.distributed and (dist.get_world_size(self.pg), dist.get_rank(self.pg)) != (world_size, rank):
+            raise ValueError(
+                f"rank={rank} world_size={world_size} disagree with the process group "
+                f"(rank {dist.get_rank(self.pg)} of {dist.get_world_size(self.pg)}); pass the group's values"
+            )
         self._stager = HostStager()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-upload")
         self._pending: SaveHandle | None = None
@@ -252,13 +272,33 @@ class CheckpointManager:
         except BaseException as e:
             if isinstance(e, KeyboardInterrupt | SystemExit):
                 raise
-            raise StorageError(f"loading {info.uri} failed: {_describe_failure(e)}") from None
+            kind = StorageError
+            if any(isinstance(c, ChecksumMismatch | ObjectMissing) for c in _root_causes(e)):
+                kind = CorruptCheckpoint
+            raise kind(f"loading {info.uri} failed: {_describe_failure(e)}") from None
 
     def load_latest(self, state: dict[str, Any]) -> CheckpointInfo | None:
-        info = self.latest_valid()
-        if info is not None:
-            self.load(state, info)
-        return info
+        """Load the newest loadable checkpoint into `state` (collective), reading it only once.
+
+        Candidates pass the cheap check (manifest, sizes, fencing); the load itself verifies the
+        SHA-256 of every object it reads, and a corrupt candidate is skipped for the next older
+        one (`self.skipped` says why). Returns None when there is none (state untouched).
+        """
+        self.wait()
+        infos = self._from_rank0(lambda: list_checkpoints(self.store))
+        self.skipped = []
+        for info in reversed(infos):
+            if not info.valid:
+                self.skipped.append((info.step, info.reason or "invalid"))
+                continue
+            try:
+                self.load(state, info)
+            except CorruptCheckpoint as e:
+                self.skipped.append((info.step, str(e)))
+                log.warning("skipping checkpoint %s: %s", info.prefix, e)
+                continue
+            return info
+        return None
 
     # ---------------------------------------------------------------- inspection and fencing
     def list(self) -> list[CheckpointInfo]:

@@ -10,6 +10,8 @@ import json
 import logging
 import math
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +25,7 @@ from checkpointing.catalog import list_checkpoints
 from checkpointing.config import CheckpointConfig, S3Config
 from checkpointing.local_s3 import LocalS3Server
 from checkpointing.manifest import MANIFEST_NAME, step_dir
-from checkpointing.object_store import StorageError
-from checkpointing.persistent import CheckpointManager
+from checkpointing.persistent import CheckpointManager, CorruptCheckpoint
 from checkpointing.state import capture_rng, flatten, gather_full, restore_rng
 from checkpointing.uri import parse_uri
 from parallel.config import ModelConfig
@@ -215,8 +216,12 @@ def test_corrupt_object_is_skipped_with_reason(
     [(step, why)] = mgr.skipped
     assert step == 2 and "checksum mismatch" in why and key in why and "expected sha256" in why, why
     bad = next(i for i in mgr.list() if i.step == 2)
-    with pytest.raises(StorageError, match="checksum mismatch"):
+    with pytest.raises(CorruptCheckpoint, match="checksum mismatch"):
         mgr.load(fresh_target()[2], bad)
+    # load_latest reads once and falls back from the corrupt step 2 to step 1.
+    model1, opt1, target = fresh_target()
+    assert mgr.load_latest(target).step == 1 and target["step"] == 1
+    assert mgr.skipped[0][0] == 2 and "checksum mismatch" in mgr.skipped[0][1]
     mgr.close()
 
     # The CLI finds it too, with credentials from the standard chain (env) and --endpoint-url.
@@ -231,6 +236,16 @@ def test_corrupt_object_is_skipped_with_reason(
     assert out.exit_code == 0, out.output
     out = runner.invoke(app, ["checkpoints", "list", uri, "--endpoint-url", s3_server.endpoint_url])
     assert out.exit_code == 0 and "dp=1" in out.output, out.output
+
+
+def test_cli_module_imports_neither_torch_nor_ray(tmp_path: Path) -> None:
+    code = (
+        "import sys; from typer.testing import CliRunner; from api.cli import app; "
+        f"r = CliRunner().invoke(app, ['checkpoints', 'list', {str(tmp_path)!r}]); "
+        "assert r.exit_code == 0, r.output; "
+        "assert 'torch' not in sys.modules and 'ray' not in sys.modules, 'heavy import'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
 
 
 def test_incomplete_and_fenced_checkpoints(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ A checkpoint is valid when
      (a fence record, written by `write_fence`), any checkpoint of a generation < G with a step > S
      belongs to an abandoned timeline (a zombie of G-1 may still write one). The same follows from
      the manifests alone: a checkpoint (g, s) is fenced by any checkpoint (g' > g, s' <= s).
+     So generations must only grow for a given root, across job restarts too (`max_generation`).
 """
 
 from __future__ import annotations
@@ -174,6 +175,17 @@ def verify_checkpoint(store: ObjectStore, step: int) -> VerifyReport:
         rep.problems.append(info.reason)
         rep.ok = False
     return rep
+
+
+def max_generation(store: ObjectStore) -> int | None:
+    """The highest generation any manifest or fence under the root carries (None if none).
+
+    Generations must grow across runs that share a root (a resumed job starts above this),
+    otherwise the new run's checkpoints would be fenced by the old run's.
+    """
+    gens = [i.generation for i in list_checkpoints(store) if i.generation is not None]
+    gens += [f.generation for f in read_fences(store)]
+    return max(gens) if gens else None
 
 
 def find_latest_valid(

@@ -39,6 +39,7 @@ from checkpointing.catalog import (
     VerifyReport,
     find_latest_valid,
     list_checkpoints,
+    max_generation,
     read_fences,
     verify_checkpoint,
     write_fence,
@@ -306,6 +307,10 @@ class CheckpointManager:
 
     def verify(self, step: int) -> VerifyReport:
         return verify_checkpoint(self.store, step)
+
+    def max_generation(self) -> int | None:
+        """The highest generation recorded under the root: a resumed run must use a higher one."""
+        return max_generation(self.store)
 
     def fence(self, generation: int, resume_step: int) -> None:
         """Record that `generation` resumed from `resume_step` (rank 0 writes; call before saving)."""

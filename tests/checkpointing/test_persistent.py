@@ -276,6 +276,7 @@ def test_incomplete_and_fenced_checkpoints(tmp_path: Path) -> None:
     assert gen1.save(state_of(model, opt, 2), 2, 1, {}).ok
     info = gen1.latest_valid()
     assert (info.step, info.generation) == (2, 1)
+    assert gen1.max_generation() == 1
     gen0.close()
     gen1.close()
 

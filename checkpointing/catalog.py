@@ -168,7 +168,9 @@ def verify_files(store: ObjectStore, info: CheckpointInfo) -> VerifyReport:
 def verify_checkpoint(store: ObjectStore, step: int) -> VerifyReport:
     infos = {i.step: i for i in list_checkpoints(store)}
     if step not in infos:
-        return VerifyReport(step=step, ok=False, problems=[f"no checkpoint {step_dir(step)} under {store.root_uri}"])
+        return VerifyReport(
+            step=step, ok=False, problems=[f"no checkpoint {step_dir(step)} under {store.root_uri}"]
+        )
     info = infos[step]
     rep = verify_files(store, info)
     if info.reason and info.reason.startswith("fenced"):

@@ -142,7 +142,9 @@ class ObjectStoreReader(StorageReader):
         entry = self.files.get(name)
         key = f"{self.prefix}/{name}"
         if entry is None:
-            raise FileNotFoundError(f"{self.store.describe(key)} is not listed in the manifest; checkpoint is corrupt")
+            raise FileNotFoundError(
+                f"{self.store.describe(key)} is not listed in the manifest; checkpoint is corrupt"
+            )
         return self.store.get_verified(key, entry.size, entry.sha256)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -151,7 +153,9 @@ class ObjectStoreReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         return pickle.loads(self._get(METADATA_NAME))
 
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
         self.storage_data = metadata.storage_data
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:

@@ -124,9 +124,19 @@ class LocalS3Server:
         if self.base_port is None:  # a restart keeps its ports: clients still point at them
             self.base_port = self._pick_ports()
         b = self.base_port
-        args = [find_weed(), "mini", f"-dir={self.data_dir / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-                f"-s3.config={cfg_path}", "-admin.ui=false", "-master.telemetry=false",
-                "-s3.port.iceberg=0", "-s3.port.lance=0", f"-admin.port.grpc={b + _PORTS['admin.port'] + 10000}"]
+        args = [
+            find_weed(),
+            "mini",
+            f"-dir={self.data_dir / 'data'}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            f"-s3.config={cfg_path}",
+            "-admin.ui=false",
+            "-master.telemetry=false",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            f"-admin.port.grpc={b + _PORTS['admin.port'] + 10000}",
+        ]
         args += [f"-{name}={b + off}" for name, off in _PORTS.items()]  # fmt: skip
         env = {**os.environ, "GOMEMLIMIT": self.memory_limit}
         if self._log is not None:
@@ -143,7 +153,9 @@ class LocalS3Server:
         client = self.client()
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"SeaweedFS exited with {self.proc.returncode}; see {self.data_dir / 'weed.log'}")
+                raise RuntimeError(
+                    f"SeaweedFS exited with {self.proc.returncode}; see {self.data_dir / 'weed.log'}"
+                )
             try:
                 client.list_buckets()  # authenticated: proves it is our server, not a neighbour's
                 return
@@ -176,5 +188,7 @@ class LocalS3Server:
     def __enter__(self) -> LocalS3Server:
         return self.start()
 
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.stop()

@@ -77,7 +77,9 @@ class Manifest:
         if not isinstance(d, dict):
             raise ManifestError(f"{where}: expected a JSON object")
         if d.get("format") != FORMAT:
-            raise ManifestError(f"{where}: format {d.get('format')!r} is not {FORMAT!r}; written by another tool?")
+            raise ManifestError(
+                f"{where}: format {d.get('format')!r} is not {FORMAT!r}; written by another tool?"
+            )
         try:
             files = [FileEntry(str(f["name"]), int(f["size"]), str(f["sha256"])) for f in d["files"]]
             m = cls(

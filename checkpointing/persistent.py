@@ -53,7 +53,14 @@ from checkpointing.uri import open_store
 
 log = logging.getLogger("unbroken.checkpoint")
 
-__all__ = ["CheckpointInfo", "CheckpointManager", "CorruptCheckpoint", "SaveHandle", "SaveResult", "VerifyReport"]
+__all__ = [
+    "CheckpointInfo",
+    "CheckpointManager",
+    "CorruptCheckpoint",
+    "SaveHandle",
+    "SaveResult",
+    "VerifyReport",
+]
 
 
 @dataclass
@@ -138,7 +145,9 @@ class CheckpointManager:
         self.world_size = world_size
         self.distributed = world_size > 1
         if self.distributed and not dist.is_initialized():
-            raise RuntimeError(f"world_size={world_size} needs torch.distributed initialised before CheckpointManager")
+            raise RuntimeError(
+                f"world_size={world_size} needs torch.distributed initialised before CheckpointManager"
+            )
         # A separate gloo group: the upload thread's collectives must not interleave with training's.
         self.pg = process_group
         if self.distributed and self.pg is None:
@@ -155,7 +164,9 @@ class CheckpointManager:
         self.skipped: list[tuple[int, str]] = []
 
     # ---------------------------------------------------------------- saving
-    def save_async(self, state: dict[str, Any], step: int, generation: int, layout: dict[str, Any]) -> SaveHandle:
+    def save_async(
+        self, state: dict[str, Any], step: int, generation: int, layout: dict[str, Any]
+    ) -> SaveHandle:
         """Stage `state` to host memory (blocking), then upload in the background. Collective."""
         self.wait()  # at most one save in flight
         t0 = time.perf_counter()
@@ -264,7 +275,9 @@ class CheckpointManager:
         freshly built model and optimizer: DCP reshards from the stored layout to it.
         """
         if info.manifest is None:
-            raise StorageError(f"{info.uri}: {info.reason or 'incomplete: no manifest'}; pick another checkpoint")
+            raise StorageError(
+                f"{info.uri}: {info.reason or 'incomplete: no manifest'}; pick another checkpoint"
+            )
         self.wait()
         reader = ObjectStoreReader(self.store, info.prefix, info.manifest)
         try:
@@ -327,4 +340,3 @@ class CheckpointManager:
     @property
     def staging_bytes(self) -> int:
         return self._stager.nbytes()
-

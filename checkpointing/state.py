@@ -48,7 +48,9 @@ def restore_rng(state: dict[str, torch.Tensor]) -> None:
         torch.cuda.set_rng_state(state["cuda"].to(torch.uint8).cpu())
 
 
-def map_tensors(state: Any, fn: Callable[[tuple[str, ...], torch.Tensor], Any], path: tuple[str, ...] = ()) -> Any:
+def map_tensors(
+    state: Any, fn: Callable[[tuple[str, ...], torch.Tensor], Any], path: tuple[str, ...] = ()
+) -> Any:
     """A copy of a nested dict/list structure with every tensor leaf replaced by fn(path, tensor)."""
     if isinstance(state, torch.Tensor):
         return fn(path, state)

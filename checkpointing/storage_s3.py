@@ -136,7 +136,9 @@ class S3Store(ObjectStore):
         strip = len(self.prefix) + 1 if self.prefix else 0
         keys: dict[str, int] = {}
         try:
-            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=full):
+            for page in self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=full
+            ):
                 keys.update((obj["Key"][strip:], int(obj["Size"])) for obj in page.get("Contents", []))
         except Exception as e:
             raise self._error("list", prefix, e) from None

@@ -47,7 +47,9 @@ def parse_uri(uri: str) -> CheckpointUri:
             raise ValueError(f"checkpoint uri {uri!r}: file:// needs an absolute path (file:///abs/path)")
         return CheckpointUri("file", path=os.path.normpath(path))
     if "://" in uri:
-        raise ValueError(f"checkpoint uri {uri!r}: unsupported scheme; use file:///path or s3://bucket/prefix")
+        raise ValueError(
+            f"checkpoint uri {uri!r}: unsupported scheme; use file:///path or s3://bucket/prefix"
+        )
     return CheckpointUri("file", path=os.path.abspath(uri))
 
 

@@ -14,7 +14,9 @@ import typer
 
 checkpoints_app = typer.Typer(help="Inspect and verify persistent checkpoints.", no_args_is_help=True)
 
-_ENDPOINT = typer.Option(None, "--endpoint-url", help="S3 endpoint, e.g. http://127.0.0.1:8333 (or AWS_ENDPOINT_URL)")
+_ENDPOINT = typer.Option(
+    None, "--endpoint-url", help="S3 endpoint, e.g. http://127.0.0.1:8333 (or AWS_ENDPOINT_URL)"
+)
 _REGION = typer.Option(None, "--region", help="S3 region (or AWS_REGION)")
 
 
@@ -126,7 +128,9 @@ def verify_cmd(
         raise typer.Exit(1)
     for rep in reports:
         if rep.ok:
-            typer.echo(f"step {rep.step}: OK ({rep.files_checked} files, {_size(rep.bytes_checked)} re-hashed)")
+            typer.echo(
+                f"step {rep.step}: OK ({rep.files_checked} files, {_size(rep.bytes_checked)} re-hashed)"
+            )
         else:
             bad += 1
             typer.echo(f"step {rep.step}: FAILED")

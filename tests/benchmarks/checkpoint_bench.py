@@ -61,7 +61,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     size = nbytes(state)
     print(f"checkpoint bench: model={args.model}, state {size / 2**20:.1f} MiB, {args.rounds} rounds")
 
-    with tempfile.TemporaryDirectory(prefix="ckpt-bench-") as tmp, LocalS3Server(Path(tmp) / "weed") as server:
+    with (
+        tempfile.TemporaryDirectory(prefix="ckpt-bench-") as tmp,
+        LocalS3Server(Path(tmp) / "weed") as server,
+    ):
         server.create_bucket("bench")
         cfg = CheckpointConfig(uri="s3://bench/run", s3=server.s3_config(), keep_last=2)
         mgr = CheckpointManager(cfg, "unused", rank=0, world_size=1)
@@ -93,9 +96,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     med = statistics.median
     blocking_ratio = med(block_s) / med(sync_s)
     bw_ratio = med(ours_bw) / med(plain_bw)
-    print(f"  torch.save (sync, local disk): {med(sync_s) * 1e3:.1f} ms; save_async blocking: {med(block_s) * 1e3:.1f} ms")
+    print(
+        f"  torch.save (sync, local disk): {med(sync_s) * 1e3:.1f} ms; save_async blocking: {med(block_s) * 1e3:.1f} ms"
+    )
     print(f"(2) async-save blocking / sync torch.save = {blocking_ratio:.3f}  (goal <= 0.05)")
-    print(f"  our save to S3: {med(ours_bw) / 1e6:.1f} MB/s; plain boto3 multipart: {med(plain_bw) / 1e6:.1f} MB/s")
+    print(
+        f"  our save to S3: {med(ours_bw) / 1e6:.1f} MB/s; plain boto3 multipart: {med(plain_bw) / 1e6:.1f} MB/s"
+    )
     print(f"(3) our upload bandwidth / plain boto3 multipart = {bw_ratio:.3f}  (goal >= 0.8)")
     return {"blocking_ratio": blocking_ratio, "bandwidth_ratio": bw_ratio}
 

@@ -23,7 +23,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(module: str, world: int, args: list[str], env: dict[str, str], timeout_s: float, log_dir: Path) -> None:
+def run_ranks(
+    module: str, world: int, args: list[str], env: dict[str, str], timeout_s: float, log_dir: Path
+) -> None:
     """Run `world` ranks; raise AssertionError with every failing rank's log tail."""
     log_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()

@@ -74,7 +74,9 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, mesh: DeviceM
     per = GLOBAL_BATCH // dp
     tokens = batch(step)[r * per : (r + 1) * per]
     logits = model(tokens[:, :-1])
-    local_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1), reduction="sum")
+    local_sum = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1), reduction="sum"
+    )
     n_global = GLOBAL_BATCH * SEQ
     (local_sum / n_global * dp).backward()  # FSDP averages over dp: scale back to a global-token mean
     opt.step()
@@ -136,7 +138,9 @@ def trainer_save(rank: int, world: int, workdir: Path, tp: int) -> None:
     for _ in range(5):
         trainer.train_step()
     mgr = CheckpointManager(cfg_for(f"trainer-tp{tp}", workdir), "unused", rank=rank, world_size=world)
-    handle = mgr.save_async(trainer.state_dict(), trainer.step, generation=0, layout={"dp_shard": world // tp, "tp": tp})
+    handle = mgr.save_async(
+        trainer.state_dict(), trainer.step, generation=0, layout={"dp_shard": world // tp, "tp": tp}
+    )
     losses = [trainer.train_step().loss for _ in range(TRAIN_STEPS - 5)]  # while the upload runs
     res = handle.result()
     assert res.ok, res.error
@@ -162,11 +166,18 @@ def trainer_restore(rank: int, world: int, workdir: Path, tp: int) -> None:
         ref = torch.load(workdir / f"trainer_tp{tp}_losses.pt")
         diff = max(abs(a - b) for a, b in zip(ref, losses, strict=True))
         assert diff <= 1e-4, f"world {world}: losses {losses} vs uninterrupted {ref}"
-        print(f"OK trainer tp{tp} 4->{world}: 10 steps match the uninterrupted run (max diff {diff:.2e})", flush=True)
+        print(
+            f"OK trainer tp{tp} 4->{world}: 10 steps match the uninterrupted run (max diff {diff:.2e})",
+            flush=True,
+        )
 
 
 def main() -> None:
-    rank, world0, port = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["MASTER_PORT"])
+    rank, world0, port = (
+        int(os.environ["RANK"]),
+        int(os.environ["WORLD_SIZE"]),
+        int(os.environ["MASTER_PORT"]),
+    )
     workdir = Path(sys.argv[1])
     torch.manual_seed(0)
     layouts = ["fsdp", "fsdp_tp"]
@@ -180,7 +191,9 @@ def main() -> None:
         ref = full_state(model, opt, {"step": 2})
         mgr = CheckpointManager(cfg_for(layout, workdir), "unused", rank=rank, world_size=world0)
         msd, osd = get_state_dict(model, opt)
-        first = mgr.save_async({"model": msd, "optim": osd, "step": 1}, step=1, generation=0, layout={"dp": 4})
+        first = mgr.save_async(
+            {"model": msd, "optim": osd, "step": 1}, step=1, generation=0, layout={"dp": 4}
+        )
         assert first.result().ok, first.result().error
         handle = mgr.save_async({"model": msd, "optim": osd, "step": 2}, step=2, generation=0,
                                 layout={"layout": layout, "world": world0})  # fmt: skip

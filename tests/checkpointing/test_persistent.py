@@ -76,7 +76,9 @@ def file_cfg(path: Path, **kw: Any) -> CheckpointConfig:
 
 
 def s3_cfg(server: LocalS3Server, bucket: str, prefix: str, **kw: Any) -> CheckpointConfig:
-    s3 = kw.pop("s3", None) or server.s3_config(part_size_mb=5, max_concurrency=2, max_attempts=2, read_timeout_s=5)
+    s3 = kw.pop("s3", None) or server.s3_config(
+        part_size_mb=5, max_concurrency=2, max_attempts=2, read_timeout_s=5
+    )
     return CheckpointConfig(uri=f"s3://{bucket}/{prefix}", s3=s3, **kw)
 
 
@@ -125,7 +127,9 @@ def test_file_round_trip_retention_rng_and_cli(tmp_path: Path) -> None:
     out = runner.invoke(app, ["checkpoints", "list", str(tmp_path / "ck")])
     assert out.exit_code == 0, out.output
     assert "dp_shard=1" in out.output and "yes" in out.output
-    rows = json.loads(runner.invoke(app, ["checkpoints", "list", f"file://{tmp_path / 'ck'}", "--json"]).output)
+    rows = json.loads(
+        runner.invoke(app, ["checkpoints", "list", f"file://{tmp_path / 'ck'}", "--json"]).output
+    )
     assert [(r["step"], r["valid"], r["generation"]) for r in rows] == [(3, True, 0), (4, True, 0)]
     out = runner.invoke(app, ["checkpoints", "verify", str(tmp_path / "ck")])
     assert out.exit_code == 0 and "step 4: OK" in out.output, out.output
@@ -232,7 +236,9 @@ def test_corrupt_object_is_skipped_with_reason(
     uri = f"s3://{s3_bucket}/c"
     out = runner.invoke(app, ["checkpoints", "verify", uri, "--endpoint-url", s3_server.endpoint_url])
     assert out.exit_code == 1 and "step 1: OK" in out.output and "checksum mismatch" in out.output, out.output
-    out = runner.invoke(app, ["checkpoints", "verify", uri, "--step", "1", "--endpoint-url", s3_server.endpoint_url])
+    out = runner.invoke(
+        app, ["checkpoints", "verify", uri, "--step", "1", "--endpoint-url", s3_server.endpoint_url]
+    )
     assert out.exit_code == 0, out.output
     out = runner.invoke(app, ["checkpoints", "list", uri, "--endpoint-url", s3_server.endpoint_url])
     assert out.exit_code == 0 and "dp=1" in out.output, out.output

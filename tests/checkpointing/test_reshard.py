@@ -17,7 +17,9 @@ from tests.checkpointing.harness import run_ranks
 def test_save_world4_restore_world_2_3_4(tmp_path: Path, s3_server: LocalS3Server, s3_bucket: str) -> None:
     env = {"UB_S3_ENDPOINT": s3_server.endpoint_url, "UB_S3_KEY": s3_server.access_key,
            "UB_S3_SECRET": s3_server.secret_key, "UB_S3_BUCKET": s3_bucket}  # fmt: skip
-    run_ranks("tests.checkpointing.reshard_ranks", 4, [str(tmp_path)], env, timeout_s=420, log_dir=tmp_path / "logs")
+    run_ranks(
+        "tests.checkpointing.reshard_ranks", 4, [str(tmp_path)], env, timeout_s=420, log_dir=tmp_path / "logs"
+    )
     out = (tmp_path / "logs" / "rank0.log").read_text()
     for layout, worlds in (("fsdp", (2, 3, 4)), ("fsdp_tp", (2, 4))):
         for w in worlds:

@@ -153,11 +153,6 @@ class ParallelDims:
                     errors.append(f"tp={self.tp} does not divide {field}={value}; pick a tp that divides it")
             if model.moe is not None and model.moe.hidden_dim is not None and model.moe.hidden_dim % self.tp:
                 errors.append(f"tp={self.tp} does not divide moe.hidden_dim={model.moe.hidden_dim}")
-            if model.tie_embeddings:
-                errors.append(
-                    f"tp={self.tp} with model.tie_embeddings=true is not supported (the embedding and the "
-                    f"output would need two layouts of one tensor); use tp=1 or untie the embeddings"
-                )
         if self.cp > 1 and train.seq_len % (2 * self.cp):
             errors.append(
                 f"cp*2={2 * self.cp} does not divide training.seq_len={train.seq_len}; zigzag context "

@@ -199,6 +199,9 @@ def init_weights(model: nn.Module, cfg: ModelConfig, seed: int | None = None, de
         for m in model.modules():
             if isinstance(m, Transformer):
                 m.rope_cos, m.rope_sin = cos.to(device), sin.to(device)
+                # to_empty gives each module its own tensor: tie the output to the embedding again.
+                if cfg.tie_embeddings and m.tok_embeddings is not None and m.output is not None:
+                    m.output.weight = m.tok_embeddings.weight
     for name, p in model.named_parameters(remove_duplicate=True):
         canonical = canonical_name(name)
         full = _init_value(canonical, p.shape, cfg, seed)

@@ -43,8 +43,16 @@ def apply_tp(
             output_layouts=Shard(-1) if loss_parallel else Replicate(),
             use_local_output=not loss_parallel,
         )
+    tied = (
+        getattr(model, "tok_embeddings", None) is not None and getattr(model, "output", None) is not None
+        and model.output.weight is model.tok_embeddings.weight
+    )
     if top:
         parallelize_module(model, tp_mesh, top)
+    if tied:
+        # Row-wise embedding and column-wise output both shard the (vocab, dim) weight on dim 0,
+        # so the two modules can share one DTensor again (parallelize_module made two).
+        model.output.weight = model.tok_embeddings.weight
 
     for block in model.layers.values():
         plan: dict[str, object] = {

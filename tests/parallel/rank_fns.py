@@ -12,8 +12,9 @@ from parallel.trainer import Trainer
 
 
 def make_cfg(base: dict[str, Any], parallelism: dict[str, Any] | None = None,
-             training: dict[str, Any] | None = None) -> EngineConfig:
+             training: dict[str, Any] | None = None, model: dict[str, Any] | None = None) -> EngineConfig:
     raw = copy.deepcopy(base)
+    raw.setdefault("model", {}).update(model or {})
     raw.setdefault("parallelism", {}).update(parallelism or {})
     raw.setdefault("training", {}).update(training or {})
     return EngineConfig.model_validate(raw)
@@ -31,7 +32,7 @@ def parity_layouts(ctx: Any, payload: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for lay in payload["layouts"]:
         def body(lay: dict[str, Any] = lay) -> dict[str, Any]:
-            cfg = make_cfg(payload["base"], lay.get("parallelism"), lay.get("training"))
+            cfg = make_cfg(payload["base"], lay.get("parallelism"), lay.get("training"), lay.get("model"))
             trainer = Trainer(cfg, device=torch.device("cpu"))
             losses = run_steps(trainer, cfg.training.steps)
             full = trainer.full_state_dict()

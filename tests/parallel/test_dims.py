@@ -61,7 +61,6 @@ TINY: dict[str, Any] = dict(preset="tiny")  # dim 64, 4 heads, 2 kv heads, ffn 1
         (3, {"tp": 3}, {}, {}, "tp=3 does not divide n_heads=4"),
         (2, {"tp": 2}, {"hidden_dim": 177}, {}, "tp=2 does not divide ffn dim (hidden_dim)=177"),
         (2, {"tp": 2}, {"vocab_size": 255}, {}, "tp=2 does not divide vocab_size=255"),
-        (2, {"tp": 2}, {"tie_embeddings": True}, {}, "tie_embeddings=true is not supported"),
         (2, {"cp": 2}, {}, {"seq_len": 6}, "cp*2=4 does not divide training.seq_len=6"),
         (2, {"ep": 2}, {}, {}, "ep=2 needs a mixture-of-experts model"),
         (4, {"ep": 4}, {"moe": {"num_experts": 6}}, {}, "ep=4 does not divide moe.num_experts=6"),

@@ -27,6 +27,9 @@ FP32_TOL = 1e-5
 # difference in its gradient into a visible one; measured up to 1.3e-5 under TP (whose matmuls
 # sum in another order), against a per-step update of lr=3e-3. Losses are held to FP32_TOL.
 WEIGHT_TOL = 1e-4
+# With tied embeddings the rows of tokens that never occur get only the output's tiny gradient:
+# measured up to 1.3e-4 under TP.
+TIED_WEIGHT_TOL = 1e-3
 # bf16 compute vs the fp32 reference: FSDP's bf16 params and autocast round differently, and
 # the difference compounds through 10 optimizer steps; measured ~1e-2, the loss itself is ~5.
 BF16_TOL = 5e-2
@@ -48,20 +51,30 @@ LAYOUTS: list[dict[str, Any]] = (
         dict(name="fsdp4-zero2-micro1", world=4, parallelism={"zero_stage": 2}, training={"micro_batch_size": 1}),
         dict(name="fsdp2-cpu-offload", world=2, parallelism={"cpu_offload": True}),
         dict(name="fsdp4-bf16", world=4, training={"dtype": "bfloat16"}),
+        # Tied embeddings: under TP the row-wise embedding and column-wise output share one DTensor.
+        dict(name="tp2-tied", world=2, parallelism={"tp": 2}, model={"tie_embeddings": True}),
+        dict(name="fsdp2xtp2-tied", world=4, parallelism={"tp": 2}, model={"tie_embeddings": True}),
     ]
 )
 # dp 4 -> 2 -> 3 (padding: 8 rows over 3 ranks) -> 4, handing the state over through DCP.
 SEGMENTS = [(4, 3), (2, 5), (3, 7), (4, STEPS)]
 
 
-def reference(training: dict[str, Any] | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
-    trainer = Trainer(make_cfg(BASE, training=training), device=torch.device("cpu"))
+def reference(
+    training: dict[str, Any] | None = None, model: dict[str, Any] | None = None
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    trainer = Trainer(make_cfg(BASE, training=training, model=model), device=torch.device("cpu"))
     return run_steps(trainer, STEPS), trainer.full_state_dict()
 
 
 @pytest.fixture(scope="module")
 def ref() -> tuple[list[float], dict[str, torch.Tensor]]:
     return reference()
+
+
+@pytest.fixture(scope="module")
+def ref_tied() -> tuple[list[float], dict[str, torch.Tensor]]:
+    return reference(model={"tie_embeddings": True})
 
 
 @pytest.fixture(scope="module")
@@ -80,14 +93,22 @@ def max_diff(a: list[float], b: list[float]) -> float:
 
 
 @pytest.mark.parametrize("name", [lay["name"] for lay in LAYOUTS if "bf16" not in lay["name"]])
-def test_fp32_layout_matches_single_process(name: str, runs: dict[str, Any], ref: Any) -> None:
-    ref_losses, ref_weights = ref
+def test_fp32_layout_matches_single_process(name: str, runs: dict[str, Any], ref: Any, ref_tied: Any) -> None:
+    tied = name.endswith("-tied")
+    ref_losses, ref_weights = ref_tied if tied else ref
     got = runs["parity"][name]
     assert max_diff(got["losses"], ref_losses) <= FP32_TOL, (got["losses"], ref_losses)
     weights = got["weights"]
     assert set(weights) == set(ref_weights)
     for key, value in ref_weights.items():
-        torch.testing.assert_close(weights[key], value, atol=WEIGHT_TOL, rtol=0, msg=key)
+        tol = TIED_WEIGHT_TOL if tied else WEIGHT_TOL
+        torch.testing.assert_close(weights[key], value, atol=tol, rtol=0, msg=key)
+
+
+def test_tied_embeddings_stay_tied(ref_tied: Any, ref: Any) -> None:
+    weights = ref_tied[1]
+    assert torch.equal(weights["output.weight"], weights["tok_embeddings.weight"])
+    assert not torch.equal(ref[1]["output.weight"], ref[1]["tok_embeddings.weight"])
 
 
 def test_losses_fall(ref: Any) -> None:

@@ -59,6 +59,7 @@ class ObjectStoreWriter(StorageWriter):
         self.prefix = prefix.strip("/")
         self.on_commit = on_commit
         self.is_coordinator = False
+        self.bytes_written = 0  # this rank's data object
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         pass
@@ -96,6 +97,7 @@ class ObjectStoreWriter(StorageWriter):
         results: list[WriteResult] = []
         if metas:
             put = self.store.put(f"{self.prefix}/{name}", chunks)
+            self.bytes_written = put.size
             for index, meta in metas:
                 meta.update(file_size=put.size, sha256=put.sha256)
                 results.append(WriteResult(index=index, size_in_bytes=meta["length"], storage_data=meta))

@@ -106,6 +106,10 @@ class ObjectStore(abc.ABC):
         """Keys under prefix (recursive), sorted, with their sizes."""
 
     @abc.abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove one object; missing is fine."""
+
+    @abc.abstractmethod
     def delete_prefix(self, prefix: str) -> None:
         """Remove every object under prefix (a 'folder'); missing is fine."""
 

@@ -205,6 +205,14 @@ class CheckpointManager:
             self.store, step_dir(step), on_commit=lambda files: self._commit(step, generation, layout, files)
         )
         try:
+            if self.rank == 0:
+                # Re-saving a step: drop its old manifest first, so "manifest => complete" holds
+                # throughout (other ranks cannot write before rank 0 joins DCP's planning). Never
+                # raise here: the other ranks are entering the collective save.
+                try:
+                    self.store.delete(f"{step_dir(step)}/{MANIFEST_NAME}")
+                except StorageError as e:
+                    log.warning("could not clear the old manifest of %s: %s", step_dir(step), e)
             with _quiet_single_process(self.distributed):
                 dcp.save(staged, storage_writer=writer, process_group=self.pg, no_dist=not self.distributed)
             res.ok = True
@@ -218,7 +226,7 @@ class CheckpointManager:
             res.error = _describe_failure(e)
         res.upload_s = time.perf_counter() - t0
         if res.ok:
-            res.bytes_written = self.store.size(f"{step_dir(step)}/__{self.rank}_0.distcp") or 0
+            res.bytes_written = writer.bytes_written
             log.info("checkpoint step %d saved to %s in %.2fs", step, res.uri, res.upload_s)
         else:
             self.last_error = res.error

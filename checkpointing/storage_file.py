@@ -96,6 +96,12 @@ class FileStore(ObjectStore):
                         keys[p.relative_to(self.root).as_posix()] = p.stat().st_size
         return dict(sorted(keys.items()))
 
+    def delete(self, key: str) -> None:
+        try:
+            self._path(key).unlink(missing_ok=True)
+        except OSError as e:
+            raise StorageError(f"cannot delete {self._path(key)}: {e.strerror or e}") from e
+
     def delete_prefix(self, prefix: str) -> None:
         if not prefix.strip("/"):
             raise ValueError("refusing to delete the whole checkpoint root; give a step folder")

@@ -144,6 +144,13 @@ class S3Store(ObjectStore):
             raise self._error("list", prefix, e) from None
         return dict(sorted(keys.items()))
 
+    def delete(self, key: str) -> None:
+        try:
+            self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
+        except Exception as e:
+            if not _is_not_found(e):
+                raise self._error("delete", key, e) from None
+
     def delete_prefix(self, prefix: str) -> None:
         if not prefix.strip("/"):
             raise ValueError("refusing to delete the whole checkpoint root; give a step folder")

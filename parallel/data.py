@@ -82,12 +82,22 @@ class _SyntheticSource:
         return seq
 
 
+# Folders under a text folder that hold caches or installed packages, not the text meant.
+_SKIP_DIRS = frozenset({"__pycache__", "site-packages", "dist-packages", "node_modules"})
+
+
 def read_text_bytes(path: str) -> np.ndarray:
-    """The bytes of a UTF-8 file, or of every UTF-8 file under a folder (sorted, joined by newlines)."""
+    """The bytes of a UTF-8 file, or of every UTF-8 file under a folder (sorted, joined by newlines).
+
+    Under a folder, hidden entries and cache/package folders (__pycache__, site-packages, ...) are skipped.
+    """
     p = Path(path).expanduser()
     if not p.exists():
         raise DataError(f"data.path={path!r} does not exist; point it at a UTF-8 file or a folder of them")
-    files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file())
+    files = [p] if p.is_file() else sorted(
+        f for f in p.rglob("*")
+        if f.is_file() and not any(part in _SKIP_DIRS or part.startswith(".") for part in f.relative_to(p).parts)
+    )
     chunks: list[bytes] = []
     for f in files:
         try:

@@ -63,10 +63,13 @@ def test_text_folder_byte_level(tmp_path: Path) -> None:
     (tmp_path / "a.txt").write_text("hello world " * 20)
     (tmp_path / "b" / "c.py").write_text("print('ünïcode')\n" * 20)
     (tmp_path / "blob.bin").write_bytes(bytes([0xFF, 0xFE, 0x00]) * 50)  # not UTF-8: skipped
+    for hidden in ("__pycache__", ".git", "site-packages"):
+        (tmp_path / hidden).mkdir()
+        (tmp_path / hidden / "x.txt").write_text("~" * 300)  # caches and packages: skipped
     dl = loader(DataConfig(kind="text", path=str(tmp_path)), batch=4, seq=16)
     inputs, _ = dl.global_batch(0)
     raw = (tmp_path / "a.txt").read_bytes() + b"\n" + (tmp_path / "b" / "c.py").read_bytes()
-    assert 0xFE not in inputs.flatten().tolist()
+    assert 0xFE not in inputs.flatten().tolist() and ord("~") not in inputs.flatten().tolist()
     for row in inputs.tolist():  # every window is a real slice of the joined text
         assert bytes(row) in raw
     assert torch.equal(dl.global_batch(7)[0], loader(DataConfig(kind="text", path=str(tmp_path)),

@@ -336,4 +336,6 @@ class Scheduler:
 def _spec_of(rec: JobRecord) -> Any:
     from service.spec import JobSpec
 
+    if rec.spec is None:
+        raise ValueError(f"job {rec.id}: read with its spec (JobStore.admitted_jobs does)")
     return JobSpec.model_validate(rec.spec)

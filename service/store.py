@@ -65,7 +65,7 @@ class JobRecord:
     status: str
     reason: str | None
     priority: int
-    spec: dict[str, Any]  # public: secrets masked
+    spec: dict[str, Any] | None  # public (secrets masked); None in lists, which do not read it
     min_world: int
     max_world: int | None
     created_at: float
@@ -204,7 +204,13 @@ def migrate(engine: Engine) -> None:
         command.upgrade(cfg, "head")
 
 
+# Lists read no spec: a page of 50 then costs no JSON parsing of specs.
+_SUMMARY_COLS = [c for c in Job.__table__.c if c.name not in ("spec_json", "spec_public", "spec_hash")]
+_DETAIL_COLS = [*_SUMMARY_COLS, Job.__table__.c.spec_public]
+
+
 def _job_record(row: Any) -> JobRecord:
+    public = getattr(row, "spec_public", None)
     return JobRecord(
         id=row.id,
         name=row.name,
@@ -212,7 +218,7 @@ def _job_record(row: Any) -> JobRecord:
         status=row.status,
         reason=row.reason,
         priority=row.priority,
-        spec=json.loads(row.spec_public),
+        spec=None if public is None else json.loads(public),
         min_world=row.min_world,
         max_world=row.max_world,
         created_at=row.created_at,
@@ -356,6 +362,7 @@ class JobStore:
                     spec_hash=spec_hash,
                     idempotency_key=idempotency_key, min_world=min_world, max_world=max_world,
                     created_at=now, updated_at=now, cancel_requested=False, recoveries=0,
+                    progress={"total_steps": spec.training.steps},
                 ))
                 conn.execute(insert(Event).values(
                     job_id=job_id, ts=now, kind="submitted", message=f"submitted by {owner}",
@@ -375,7 +382,7 @@ class JobStore:
     def _by_idempotency_key(self, owner: str, key: str, spec_hash: str) -> JobRecord | None:
         with self.engine.connect() as conn:
             row = conn.execute(
-                select(Job.__table__).where(Job.owner == owner, Job.idempotency_key == key)
+                select(*_DETAIL_COLS, Job.spec_hash).where(Job.owner == owner, Job.idempotency_key == key)
             ).first()
         if row is None:
             return None
@@ -388,7 +395,7 @@ class JobStore:
 
     def get_job(self, job_id: str) -> JobRecord | None:
         with self.engine.connect() as conn:
-            row = conn.execute(select(Job.__table__).where(Job.id == job_id)).first()
+            row = conn.execute(select(*_DETAIL_COLS).where(Job.id == job_id)).first()
         return None if row is None else _job_record(row)
 
     def get_spec(self, job_id: str) -> Any:
@@ -411,11 +418,12 @@ class JobStore:
         cursor: str | None = None,
     ) -> tuple[list[JobRecord], str | None]:
         """Newest first. Returns (page, next_cursor); next_cursor is None on the last page."""
-        q = select(Job.__table__)
+        q = select(*_SUMMARY_COLS)
         if owner is not None:
             q = q.where(Job.owner == owner)
         if status:
-            q = q.where(Job.status.in_(list(status)))
+            statuses = list(status)
+            q = q.where(Job.status == statuses[0] if len(statuses) == 1 else Job.status.in_(statuses))
         if name is not None:
             q = q.where(Job.name == name)
         if cursor:
@@ -496,7 +504,7 @@ class JobStore:
         """PENDING jobs not yet admitted: highest priority first, then oldest first."""
         with self.engine.connect() as conn:
             rows = conn.execute(
-                select(Job.__table__).where(Job.status == PENDING, Job.admitted_at.is_(None))
+                select(*_SUMMARY_COLS).where(Job.status == PENDING, Job.admitted_at.is_(None))
                 .order_by(Job.priority.desc(), Job.seq)
             ).all()
         return [_job_record(r) for r in rows]
@@ -505,7 +513,8 @@ class JobStore:
         """Jobs handed to a supervisor and not finished."""
         with self.engine.connect() as conn:
             rows = conn.execute(
-                select(Job.__table__).where(Job.admitted_at.is_not(None), Job.status.not_in(TERMINAL)).order_by(Job.seq)
+                select(*_DETAIL_COLS).where(Job.admitted_at.is_not(None), Job.status.not_in(TERMINAL))
+                .order_by(Job.seq)
             ).all()
         return [_job_record(r) for r in rows]
 

@@ -41,7 +41,9 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 
 def job_out(rec: JobRecord, *, with_spec: bool = True) -> schemas.Job:
     p = rec.progress or {}
-    steps = (rec.spec.get("training") or {}).get("steps")
+    steps = p.get("total_steps")
+    if steps is None and rec.spec is not None:
+        steps = (rec.spec.get("training") or {}).get("steps")
     progress = schemas.Progress(
         step=p.get("step"),
         total_steps=steps,

@@ -122,7 +122,7 @@ BAD_INPUTS: list[tuple[str, Any, str, list[str]]] = [
     ("dp range upside down", {"resources": {"dp": {"min": 4, "max": 2}}}, "application/json", ["resources.dp"]),
     ("model not consistent", {"model": {"dim": 64, "n_heads": 5}}, "application/json", ["model"]),
     ("tp does not divide heads", {"parallelism": {"tp": 3}}, "application/json", ["parallelism.tp"]),
-    ("cp and tied tp", {"parallelism": {"tp": 2, "cp": 3}, "model": {"tie_embeddings": True}}, "application/yaml",
+    ("cp and tp vs kv heads", {"parallelism": {"tp": 2, "cp": 3}, "model": {"n_kv_heads": 1}}, "application/yaml",
      ["parallelism.tp", "parallelism.cp"]),
     ("world over the cluster", {"resources": {"dp": {"min": 9}}}, "application/json",
      ["resources.cpus_per_worker"]),

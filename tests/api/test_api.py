@@ -58,6 +58,11 @@ def test_secrets_are_never_returned(api: Api) -> None:
     for t in texts:
         assert "topsecret" not in t and "AKIAXX" not in t
     assert api.store.get_spec(job_id).runtime_env.secret_env_vars["HF_TOKEN"].get_secret_value() == "hf_topsecret"
+    # The SDK sends a JobSpec's secret values (not their masks) to the server.
+    with Client(api.url, token) as c:
+        sent = c.submit(JobSpec.model_validate(body))
+        assert "topsecret" not in sent.model_dump_json()
+    assert api.store.get_spec(sent.id).checkpoint.s3.secret_access_key.get_secret_value() == "sk_topsecret"
 
 
 def _endpoints(job_id: str) -> list[tuple[str, str, Any]]:

@@ -6,8 +6,8 @@ and reduce-scatter (n−1)/n·S, all-to-all (n−1)/n·S. Time = volume / bandwi
 
 Per strategy:
 - FSDP (ZeRO-3): all-gather the weights in forward and again in backward of each micro-batch,
-  reduce-scatter the gradients once a step: 3Ψ per step with one micro-batch. Pipeline stages
-  keep weights gathered (one all-gather a step). ZeRO-1/2: reduce-scatter + all-gather once.
+  reduce-scatter the gradients: 3Ψ per step with one micro-batch. ZeRO-1/2: one all-gather per
+  micro-batch; ZeRO-1 reduces gradients once a step. Pipeline stages keep weights gathered.
 - HSDP / DDP: all-reduce of the (sharded) gradients across dp_replicate.
 - TP (+SP): 4 all-reduce-sized collectives of b·s·h activations per layer per micro-batch
   (2 forward, 2 backward; SP's all-gather + reduce-scatter pairs move the same bytes); full AC
@@ -29,7 +29,7 @@ from parallel.planner.layout import Layout, batch_shape, spans_nodes
 from parallel.planner.memory import ACT_BYTES, rank_params
 from parallel.planner.terms import Term, fmt_bytes, g
 
-OVERLAP = {"fsdp": 0.8, "zero": 0.8, "dp_replicate": 0.8, "tp": 0.0, "pp": 0.5, "cp": 0.7, "ep": 0.0}
+OVERLAP = {"fsdp": 0.8, "dp_replicate": 0.8, "tp": 0.0, "pp": 0.5, "cp": 0.7, "ep": 0.0}
 
 
 def all_reduce_volume(size: float, n: int) -> float:
@@ -53,9 +53,11 @@ class CommTerm:
     calls: int
     inter_node: bool
 
+    overlap_scale: float = 1.0  # the hardware's: 0 where collectives take the cores compute needs
+
     @property
     def overlap(self) -> float:
-        return OVERLAP[self.strategy]
+        return OVERLAP[self.strategy] * self.overlap_scale
 
 
 def _tier(cluster: Cluster, inter: bool) -> tuple[float, float, str]:
@@ -66,13 +68,17 @@ def _tier(cluster: Cluster, inter: bool) -> tuple[float, float, str]:
 
 
 def _term(name: str, strategy: str, volume: float, calls: int, cluster: Cluster, inter: bool,
-          formula: str, filled: str) -> CommTerm:
+          formula: str, filled: str, kind: str = "all_reduce") -> CommTerm:
     bw, lat, tier = _tier(cluster, inter)
+    eff = cluster.hardware.collective_efficiency.get(kind, 1.0)
+    bw *= eff
+    if eff != 1.0:
+        tier += f", {kind} at {eff:g}× the all-reduce rate"
     secs = volume / bw + calls * lat
     return CommTerm(
         Term(name, secs, f"{formula} / bw + calls·α",
              f"{filled} = {fmt_bytes(volume)} / {g(bw / 1e9)} GB/s ({tier}) + {calls} × {g(lat * 1e6)} µs"),
-        strategy, volume, calls, inter)
+        strategy, volume, calls, inter, cluster.hardware.overlap_scale)
 
 
 def estimate_comm(model: ModelConfig, train: TrainConfig, layout: Layout, cluster: Cluster) -> list[CommTerm]:
@@ -86,35 +92,46 @@ def estimate_comm(model: ModelConfig, train: TrainConfig, layout: Layout, cluste
     out: list[CommTerm] = []
 
     n = layout.shard_group
+    r = layout.dp_replicate
+    # FSDP2 as the engine applies it (parallel/fsdp.py): ZeRO-3 gathers each block for forward and
+    # again for backward; ZeRO-1/2 gather once per micro-batch (no reshard after forward); gradients
+    # are reduce-scattered every micro-batch except under ZeRO-1 (once a step). Pipeline stages keep
+    # their weights gathered through the step.
+    stage = layout.zero_stage
+    syncs = 1 if stage == 1 else m
     if n > 1:
         inter = spans_nodes(layout, "fsdp", cluster)
-        if layout.zero_stage == 3:
-            gathers = 1 if layout.pp > 1 else 2 * m
-            vol = gathers * all_gather_volume(psi * wb, n) + reduce_scatter_volume(psi * gb, n)
-            out.append(_term("FSDP all-gather + reduce-scatter", "fsdp", vol, (gathers + 1) * rp.layers, cluster,
-                             inter, "(gathers·Ψ·w + Ψ·4)·(N−1)/N",
-                             f"({gathers} × {g(psi)} × {wb} + {g(psi)} × 4) × {n - 1}/{n}"))
-        else:
-            vol = reduce_scatter_volume(psi * gb, n) + all_gather_volume(psi * wb, n)
-            out.append(_term(f"ZeRO-{layout.zero_stage} reduce-scatter + all-gather", "zero", vol, 2 * rp.layers,
-                             cluster, inter, "(Ψ·4 + Ψ·w)·(N−1)/N", f"({g(psi)} × 4 + {g(psi)} × {wb}) × {n - 1}/{n}"))
-    r = layout.dp_replicate
+        gathers = 1 if layout.pp > 1 else (2 * m if stage == 3 else m)
+        vol = gathers * all_gather_volume(psi * wb, n)
+        out.append(_term(f"FSDP (ZeRO-{stage}) all-gather", "fsdp", vol, gathers * rp.layers, cluster, inter,
+                         "gathers·Ψ·w·(N−1)/N", f"{gathers} × {g(psi)} × {wb} × {n - 1}/{n}", "all_gather"))
+        vol = syncs * reduce_scatter_volume(psi * gb, n)
+        out.append(_term(f"FSDP (ZeRO-{stage}) reduce-scatter", "fsdp", vol, syncs * rp.layers, cluster, inter,
+                         "syncs·Ψ·4·(N−1)/N", f"{syncs} × {g(psi)} × 4 × {n - 1}/{n}", "reduce_scatter"))
     if r > 1:
         inter = spans_nodes(layout, "dp_replicate", cluster)
         shard = psi / n
-        vol = all_reduce_volume(shard * gb, r)
-        out.append(_term("gradient all-reduce (dp_replicate)", "dp_replicate", vol, rp.layers, cluster, inter,
-                         "2·(Ψ/N)·4·(R−1)/R", f"2 × {g(shard)} × 4 × {r - 1}/{r}"))
+        vol = syncs * all_reduce_volume(shard * gb, r)
+        out.append(_term("gradient all-reduce (dp_replicate)", "dp_replicate", vol, syncs * rp.layers, cluster,
+                         inter, "syncs·2·(Ψ/N)·4·(R−1)/R", f"{syncs} × 2 × {g(shard)} × 4 × {r - 1}/{r}"))
     t = layout.tp
     if t > 1:
         inter = spans_nodes(layout, "tp", cluster)
         act = bs.micro_batch * bs.seq_local * model.dim * ab
         per_layer = 6 if train.activation_checkpointing == "full" else 4
         calls = per_layer * rp.layers * m
-        vol = calls * all_reduce_volume(act, t)
-        out.append(_term("TP activation collectives", "tp", vol, calls * (2 if layout.sequence_parallel else 1),
-                         cluster, inter, "k·L·m·2·(b·s·h·bytes)·(t−1)/t",
-                         f"{per_layer} × {rp.layers} × {m} × 2 × {fmt_bytes(act)} × {t - 1}/{t}"))
+        if layout.sequence_parallel:
+            # SP: each all-reduce becomes an all-gather + a reduce-scatter of the same bytes.
+            for kind in ("all_gather", "reduce_scatter"):
+                vol = calls * all_gather_volume(act, t)
+                out.append(_term(f"TP activation {kind.replace('_', '-')}s", "tp", vol, calls, cluster, inter,
+                                 "k·L·m·(b·s·h·bytes)·(t−1)/t",
+                                 f"{per_layer} × {rp.layers} × {m} × {fmt_bytes(act)} × {t - 1}/{t}", kind))
+        else:
+            vol = calls * all_reduce_volume(act, t)
+            out.append(_term("TP activation all-reduces", "tp", vol, calls, cluster, inter,
+                             "k·L·m·2·(b·s·h·bytes)·(t−1)/t",
+                             f"{per_layer} × {rp.layers} × {m} × 2 × {fmt_bytes(act)} × {t - 1}/{t}"))
     p = layout.pp
     if p > 1:
         inter = spans_nodes(layout, "pp", cluster)
@@ -122,7 +139,7 @@ def estimate_comm(model: ModelConfig, train: TrainConfig, layout: Layout, cluste
         calls = 2 * m * v
         vol = calls * act
         out.append(_term("PP send/recv", "pp", vol, calls, cluster, inter, "2·m·v·(b·s·h·bytes)",
-                         f"2 × {m} × {v} × {fmt_bytes(act)}"))
+                         f"2 × {m} × {v} × {fmt_bytes(act)}", "p2p"))
     c = layout.cp
     if c > 1:
         inter = spans_nodes(layout, "cp", cluster)
@@ -132,7 +149,7 @@ def estimate_comm(model: ModelConfig, train: TrainConfig, layout: Layout, cluste
         vol = calls * kv
         out.append(_term("CP ring K/V passes", "cp", vol, calls, cluster, inter,
                          "6·(cp−1)·L·m·(b·(s/cp)·kv·Q/t·bytes)",
-                         f"6 × {c - 1} × {rp.layers} × {m} × {fmt_bytes(kv)}"))
+                         f"6 × {c - 1} × {rp.layers} × {m} × {fmt_bytes(kv)}", "p2p"))
     e = layout.ep
     if e > 1 and rp.moe_layers:
         inter = spans_nodes(layout, "ep", cluster)
@@ -141,5 +158,5 @@ def estimate_comm(model: ModelConfig, train: TrainConfig, layout: Layout, cluste
         vol = calls * all_to_all_volume(tok, e)
         out.append(_term("EP all-to-all", "ep", vol, calls, cluster, inter,
                          "4·L_moe·m·(k·b·s·h·bytes)·(ep−1)/ep",
-                         f"4 × {rp.moe_layers} × {m} × {fmt_bytes(tok)} × {e - 1}/{e}"))
+                         f"4 × {rp.moe_layers} × {m} × {fmt_bytes(tok)} × {e - 1}/{e}", "all_to_all"))
     return out

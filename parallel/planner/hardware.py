@@ -11,7 +11,8 @@ ranks of a node, each rank starts at the `framework_bytes` a Python process with
 gloo process group already holds (peak RSS of a `tiny` run, whose model is negligible), the
 memory measured is peak RSS, which also counts pages glibc malloc keeps after the forward's
 temporaries are freed (`transient_slack` on the forward/backward peak), and ranks beyond the core
-count share cores.
+count share cores. gloo over loopback between 2 ranks (50 MiB per rank): all-reduce ~850 MiB/s,
+all-gather ~40 MiB/s, reduce-scatter ~70 MiB/s, all-to-all ~200 MiB/s (per-rank volume).
 """
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ class Hardware:
     usable_fraction: float = 0.95  # caching-allocator fragmentation headroom
     cores_per_node: int | None = None  # CPU only: ranks beyond this share cores
     layer_overhead_s: float = 0.0  # per layer per micro-batch fwd+bwd: op dispatch not hidden by async launch
+    # Bandwidth of each collective kind relative to all-reduce's (NCCL: ~1 for all; gloo: its
+    # all-gather and reduce-scatter are far slower than its all-reduce, measured below).
+    collective_efficiency: dict[str, float] = field(default_factory=dict)
+    overlap_scale: float = 1.0  # 0 on CPU: gloo's copies and reductions run on the cores compute uses
     transient_slack: float = 1.0  # peak RSS over live bytes of forward/backward (CPU malloc keeps freed pages)
     notes: str = ""
 
@@ -72,11 +77,12 @@ HARDWARE: dict[str, Hardware] = {
     ),
     "cpu": Hardware(
         name="cpu", devices_per_node=2, mem_bytes=None,
-        peak_flops={"bfloat16": 10e9, "float32": 40e9},
-        intra_bw=1.0 * GB, inter_bw=0.5 * GB, mem_bw=10 * GB, host_mem_bytes=24 * GiB,
+        peak_flops={"bfloat16": 25e9, "float32": 100e9},
+        intra_bw=0.85 * GiB, inter_bw=0.5 * GB, mem_bw=10 * GB, host_mem_bytes=24 * GiB,
+        collective_efficiency={"all_gather": 0.05, "reduce_scatter": 0.08, "all_to_all": 0.25},
         intra_latency_s=150e-6, inter_latency_s=300e-6, mfu=0.35,
         framework_bytes=340 * 2**20, usable_fraction=0.9, cores_per_node=2, layer_overhead_s=1.5e-3,
-        transient_slack=1.25,
+        transient_slack=1.25, overlap_scale=0.0,
         notes="this project's test machine: 2 cores, 24 GiB shared by the ranks, gloo over loopback",
     ),
 }
@@ -122,7 +128,8 @@ def make_cluster(gpus: int, gpu: str = "h100", nodes: int | None = None) -> Clus
     if gpus < 1:
         raise PlanError(f"gpus={gpus}: need at least one device; pass --gpus N with N >= 1")
     if nodes is None:
-        nodes = max(1, -(-gpus // hw.devices_per_node))
+        # CPU ranks are processes: one machine holds as many as asked (they share its cores).
+        nodes = 1 if hw.mem_bytes is None else max(1, -(-gpus // hw.devices_per_node))
     if nodes < 1:
         raise PlanError(f"nodes={nodes}: need at least one node")
     if gpus % nodes:

@@ -103,7 +103,8 @@ class MemoryEstimate:
         }
 
 
-def engine_layer_units(model: ModelConfig, t: int, sp: bool, moe_layer: bool) -> tuple[float, float]:
+def engine_layer_units(model: ModelConfig, t: int, sp: bool, moe_layer: bool,
+                       dtype: str = "float32") -> tuple[float, float]:
     """Tensors autograd keeps for one block of parallel/model.py, in s·b·h elements:
     (held whole on each tp rank, divided by t). Counted from the block's code (and checked with
     saved_tensors_hooks on the `small` preset: 21.3 measured vs 21 here):
@@ -112,18 +113,21 @@ def engine_layer_units(model: ModelConfig, t: int, sp: bool, moe_layer: bool) ->
     wo input 5; RoPE temporaries 1; SwiGLU's w1 and w3 outputs, silu output and product 4·f/h.
     A MoE layer runs the SwiGLU part per chosen expert and keeps the permuted tokens (2 per choice).
     Under DTensor TP with sequence parallelism the norm outputs are all-gathered before the
-    colwise linears and kept whole; without SP the norms run on whole sequences."""
+    colwise linears and kept whole; without SP the norms run on whole sequences. In bf16 the
+    RMSNorms compute in fp32 and keep fp32 copies of their input and normalised value: 4 more
+    bf16-sized units (25.1 measured vs 25 here)."""
     h = model.dim
+    norms = 4.0 if dtype == "bfloat16" else 0.0
     if moe_layer and model.moe is not None:
         k = model.moe.top_k
         mlp = 4 * (model.moe.hidden_dim or model.ffn_dim) / h * k + 2 * k
     else:
         mlp = 4 * model.ffn_dim / h
     if t == 1:
-        return 0.0, 10 + mlp
+        return 0.0, 10 + norms + mlp
     if sp:
-        return 2.0, 8 + mlp
-    return 4.0, 6 + mlp
+        return 2.0, 8 + norms + mlp
+    return 4.0 + norms, 6 + mlp
 
 
 def activation_terms(model: ModelConfig, train: TrainConfig, rp: RankParams, s: int, b: int, t: int, sp: bool,
@@ -152,8 +156,8 @@ def activation_terms(model: ModelConfig, train: TrainConfig, rp: RankParams, s: 
         formula = f"sbh({coef})/t × (bytes/2) per kept layer"
         unit_txt = f"{s}·{b}·{model.dim}·({coef}) / {tt} × {ab / 2:g}"
     else:
-        full_d, shard_d = engine_layer_units(model, t, sp, False)
-        full_m, shard_m = engine_layer_units(model, t, sp, True)
+        full_d, shard_d = engine_layer_units(model, t, sp, False, train.dtype)
+        full_m, shard_m = engine_layer_units(model, t, sp, True, train.dtype)
         per_dense = (full_d + shard_d / t) * sbh * ab
         per_moe = (full_m + shard_m / t) * sbh * ab
         formula = "s·b·h·(whole + split/t)·bytes per kept layer (this engine's saved tensors)"

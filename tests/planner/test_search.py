@@ -110,7 +110,7 @@ def test_dp_shard_fill_is_resolved_and_nothing_else_moves() -> None:
 
 
 def test_resize_recheck() -> None:
-    job = cfg("llama3-8b", {"dp_shard": -1}, seq_len=8192)
+    job = cfg("llama3-8b", {"dp_shard": -1}, seq_len=8192, activation_checkpointing="selective")
     assert check_fits(job.model, job.training, job.parallelism, make_cluster(8, "h100")) == []
     reasons = check_fits(job.model, job.training, job.parallelism, make_cluster(1, "h100"))
     assert reasons and "per device" in reasons[0]
@@ -173,7 +173,7 @@ def test_pipeline_bubble_shrinks_with_microbatches() -> None:
 
 
 def test_requested_layout_is_evaluated_and_json_is_complete() -> None:
-    out = plan_from_spec(cfg("llama3-8b", {"dp_shard": -1}, seq_len=8192), 8, "h100")
+    out = plan_from_spec(cfg("llama3-8b", {"dp_shard": -1}, seq_len=8192, activation_checkpointing="selective"), 8, "h100")
     text = json.dumps(out)
     assert out["ok"] and out["requested"]["fits"] and out["requested"]["layout"] == "dp_shard=8"
     best = out["best"]

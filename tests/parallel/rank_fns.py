@@ -76,3 +76,18 @@ def elastic_segments(ctx: Any, payload: dict[str, Any]) -> list[float]:
 def parity_and_elastic(ctx: Any, payload: dict[str, Any]) -> dict[str, Any]:
     """Both checks in one launch: process start-up dominates on a small machine."""
     return {"parity": parity_layouts(ctx, payload), "elastic": elastic_segments(ctx, payload["elastic"])}
+
+
+def bench_layouts(ctx: Any, payload: dict[str, Any]) -> dict[str, Any]:
+    """Per layout: every step's tokens/s and the peak memory (rank 0's view)."""
+    out: dict[str, Any] = {}
+    for lay in payload["layouts"]:
+        def body(lay: dict[str, Any] = lay) -> dict[str, Any]:
+            cfg = make_cfg(payload["base"], lay.get("parallelism"), lay.get("training"), lay.get("model"))
+            trainer = Trainer(cfg, device=torch.device("cpu"))
+            metrics = [trainer.train_step() for _ in range(cfg.training.steps)]
+            return {"tokens_per_s": [m.tokens_per_s for m in metrics], "peak_mem": metrics[-1].peak_mem_bytes}
+        result = ctx.in_group(lay["world"], lay["name"], body)
+        if result is not None:
+            out[lay["name"]] = result
+    return out

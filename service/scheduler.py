@@ -125,6 +125,9 @@ def queued_job(rec: JobRecord, spec: Any) -> QueuedJob:
     return QueuedJob(rec.id, rec.owner, rec.priority, rec.seq, rec.min_world, sizing.gang_demand(spec))
 
 
+_UNKNOWN: Any = object()  # "Ray could not tell": never a reason to fail a job
+
+
 class RayCluster:
     """The live cluster's resources, read from the connected Ray driver."""
 
@@ -286,18 +289,20 @@ class Scheduler:
                 handle = self._supervisor(job_id)
                 if handle is None:
                     self.store.set_status(job_id, CANCELLED, "cancelled; its supervisor was already gone")
-                else:
+                elif handle is not _UNKNOWN:
                     handle.cancel.remote()
+                # else: the request is recorded; reconcile() re-sends it when Ray answers again.
             got = self.store.get_job(job_id)
             assert got is not None
             return got
 
     def _supervisor(self, job_id: str) -> Any:
+        """The job's supervisor handle, None if it does not exist, or _UNKNOWN if Ray could not say."""
         try:
             return _find_supervisor(job_id, self.namespace)
         except Exception:
             log.exception("looking up the supervisor of job %s failed", job_id)
-            return None
+            return _UNKNOWN
 
     # ---- restart and liveness ------------------------------------------------------------------
 
@@ -307,6 +312,9 @@ class Scheduler:
         with self._lock:
             for rec in self.store.admitted_jobs():
                 handle = self._supervisor(rec.id)
+                if handle is _UNKNOWN:
+                    outcome[rec.id] = "unknown"  # Ray did not answer: decide on a later liveness pass
+                    continue
                 if handle is None:
                     self.store.set_status(
                         rec.id, FAILED, "its supervisor was gone when the control plane restarted"
@@ -324,7 +332,10 @@ class Scheduler:
         """Fail admitted, unfinished jobs whose supervisor actor no longer exists."""
         lost = []
         for rec in self.store.admitted_jobs():
-            if self._supervisor(rec.id) is None:
+            handle = self._supervisor(rec.id)
+            if handle is not None and handle is not _UNKNOWN and rec.cancel_requested:
+                handle.cancel.remote()  # a cancel that could not be delivered before
+            if handle is None:
                 fresh = self.store.get_job(rec.id)
                 if fresh is not None and not fresh.terminal:
                     self.store.set_status(rec.id, FAILED, "its supervisor actor died")

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import SecretStr
-from sqlalchemy import Engine, create_engine, delete, event, func, insert, select, update
+from sqlalchemy import Engine, create_engine, delete, event, func, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 
 from service import auth
@@ -510,10 +510,11 @@ class JobStore:
         return [_job_record(r) for r in rows]
 
     def admitted_jobs(self) -> list[JobRecord]:
-        """Jobs handed to a supervisor and not finished."""
+        """Jobs handed to a supervisor (or reported running by one) and not finished."""
         with self.engine.connect() as conn:
             rows = conn.execute(
-                select(*_DETAIL_COLS).where(Job.admitted_at.is_not(None), Job.status.not_in(TERMINAL))
+                select(*_DETAIL_COLS)
+                .where(or_(Job.admitted_at.is_not(None), Job.status.in_(ACTIVE)), Job.status.not_in(TERMINAL))
                 .order_by(Job.seq)
             ).all()
         return [_job_record(r) for r in rows]

@@ -143,7 +143,7 @@ def run_server(opts: ServeOptions) -> None:
     mode = "store only (no Ray)" if scheduler is None else f"Ray {'at ' + opts.address if opts.address else 'embedded'}"
     print(f"unbroken API on {url} (docs: {url}/docs); store {db}; {mode}; admin token in {token_path}", flush=True)
     try:
-        uvicorn.run(app, host=opts.host, port=opts.port, log_level="warning", access_log=False)
+        uvicorn.run(app, host=opts.host, port=opts.port, log_level="warning", access_log=False, lifespan="off")
     finally:
         if scheduler is not None:
             scheduler.stop()

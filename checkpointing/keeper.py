@@ -1,0 +1,349 @@
+"""The keeper: a detached, named Ray actor per node that holds in-memory snapshot shards.
+
+    keepers = ensure_keepers(["head", "b"], memory_limit_mb=cfg.keeper_memory_limit_mb)
+    # workers: checkpointing.snapshot.SnapshotClient(...).snapshot(state, step, generation)
+    commit_snapshot(keepers, job_id, generation, step, world_size)   # supervisor, once all acked
+    latest_committed(keepers, job_id)                                # -> step | None
+    drop_job(keepers, job_id)                                        # job finished / cancelled
+    kill_keepers(keepers)                                            # tests, cluster teardown
+
+A keeper is `keeper-<node>` in namespace "unbroken", num_cpus=0, pinned to its node by a sliver of
+the node's `unbroken_node_<name>` resource, and threaded (max_concurrency > 1) so reads, commits and
+reports run while a large shard is being received. Shards are keyed (job_id, generation, step, rank)
+and stored as numpy arrays COPIED into the keeper's own heap: an object received from a worker
+belongs to that worker and would die with it (NOTES.md), a copy outlives it.
+
+Retention per job, applied at every commit: the last two committed snapshots stay; older committed
+ones and uncommitted ones older than the newest commit are freed. "Older" orders by
+(generation, step): a newer generation supersedes whatever an older one wrote.
+
+Memory is bounded by `memory_limit_mb`; a shard that would not fit is refused with KeeperMemoryFull
+(naming job, size, limit and the fix), never an out-of-memory crash of the node.
+Fencing: `fence(job_id, generation)` (and every commit) raises the job's minimum generation; shards
+from an older generation are refused with StaleGeneration and dropped if uncommitted.
+
+This module imports ray (checkpointing's keepers are allowed to) but not torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import ray
+from ray.actor import ActorHandle
+
+log = logging.getLogger("unbroken.keeper")
+
+NAMESPACE = "unbroken"
+NODE_RESOURCE_PREFIX = "unbroken_node_"  # as service.local_cluster and the deployment name nodes
+KEEPER_RESOURCE = 0.001  # a sliver of the node resource: pins the keeper, leaves the rest for workers
+KEEPER_CONCURRENCY = 16
+KEEP_COMMITTED = 2
+
+SnapshotId = tuple[int, int]  # (generation, step), ordered: newer generations supersede older ones
+ShardKey = tuple[str, int, int, int]  # (job_id, generation, step, rank)
+
+
+class KeeperMemoryFull(RuntimeError):
+    """A shard does not fit in the keeper's memory limit."""
+
+
+class StaleGeneration(RuntimeError):
+    """A shard or commit from a generation older than the job's fence."""
+
+
+def keeper_name(node: str) -> str:
+    return f"keeper-{node}"
+
+
+@dataclass
+class _Shard:
+    blob: np.ndarray  # the rank's tensor bytes, owned by this process
+    layout: bytes  # pickled write items and byte offsets (checkpointing.snapshot), small
+    extras: bytes  # pickled non-tensor values, small
+    world_size: int
+    received_at: float
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.blob.nbytes) + len(self.layout) + len(self.extras)
+
+
+class Keeper:
+    """The actor class (use ensure_keepers; `ray.remote` is applied there)."""
+
+    def __init__(self, node: str, memory_limit_mb: int) -> None:
+        if memory_limit_mb < 1:
+            raise ValueError(f"memory_limit_mb={memory_limit_mb}: must be >= 1 (checkpoint.keeper_memory_limit_mb)")
+        self.node = node
+        self.limit = int(memory_limit_mb) * 1024 * 1024
+        self.used = 0
+        self._lock = threading.Lock()
+        self._shards: dict[ShardKey, _Shard] = {}
+        self._committed: dict[str, list[SnapshotId]] = {}  # sorted, at most KEEP_COMMITTED
+        self._fence: dict[str, int] = {}  # job -> minimum generation accepted
+        self._refused = 0
+
+    # ------------------------------------------------------------------ writing
+    def put_shard(
+        self, job_id: str, generation: int, step: int, rank: int, world_size: int,
+        layout: bytes, extras: bytes, blob: np.ndarray,
+    ) -> dict[str, Any]:  # fmt: skip
+        """Store one rank's shard (a copy). Returns {"node", "nbytes", "used_bytes"}."""
+        key = (job_id, int(generation), int(step), int(rank))
+        # The copy happens outside the lock (it can take a while); the reservation inside it.
+        size = int(blob.nbytes) + len(layout) + len(extras)
+        with self._lock:
+            fence = self._fence.get(job_id, -1)
+            if generation < fence:
+                raise StaleGeneration(
+                    f"keeper-{self.node}: job {job_id!r} is fenced at generation {fence}; refusing the "
+                    f"shard of rank {rank} step {step} from generation {generation} (a stale worker)"
+                )
+            old = self._shards.get(key)
+            free_after = self.limit - (self.used - (old.nbytes if old else 0))
+            if size > free_after:
+                self._refused += 1
+                raise KeeperMemoryFull(
+                    f"keeper-{self.node}: the snapshot shard of job {job_id!r} (rank {rank}, step {step}, "
+                    f"{size / 2**20:.1f} MiB) does not fit: {self.used / 2**20:.1f} MiB of the "
+                    f"{self.limit / 2**20:.0f} MiB limit in use. Raise checkpoint.keeper_memory_limit_mb, "
+                    f"or lower the snapshot size per rank (raise checkpoint.in_memory_every so fewer "
+                    f"snapshots are in flight, or shard the state over more ranks/nodes)"
+                )
+            self.used += size - (old.nbytes if old else 0)  # reserve before copying
+        try:
+            shard = _Shard(np.array(blob, dtype=np.uint8, copy=True), layout, extras, int(world_size), time.time())
+        except BaseException:
+            with self._lock:
+                self.used -= size - (old.nbytes if old else 0)
+            raise
+        with self._lock:
+            self._shards[key] = shard
+            # A commit may have happened meanwhile that makes this shard obsolete.
+            self._apply_retention(job_id)
+            return {"node": self.node, "nbytes": size, "used_bytes": self.used}
+
+    # ------------------------------------------------------------------ committing
+    def holdings(self, job_id: str) -> dict[str, Any]:
+        """{"node", "shards": [(generation, step, rank, world_size)], "committed": [(generation, step)]}."""
+        with self._lock:
+            shards = [(g, s, r, sh.world_size) for (j, g, s, r), sh in self._shards.items() if j == job_id]
+            return {"node": self.node, "shards": sorted(shards), "committed": list(self._committed.get(job_id, []))}
+
+    def commit(self, job_id: str, generation: int, step: int) -> None:
+        """Mark (generation, step) committed for the job, fence older generations, apply retention."""
+        with self._lock:
+            fence = self._fence.get(job_id, -1)
+            if generation < fence:
+                raise StaleGeneration(
+                    f"keeper-{self.node}: job {job_id!r} is fenced at generation {fence}; generation "
+                    f"{generation} may not commit step {step}"
+                )
+            ids = self._committed.setdefault(job_id, [])
+            if (generation, step) not in ids:
+                ids.append((int(generation), int(step)))
+                ids.sort()
+            del ids[:-KEEP_COMMITTED]
+            self._fence[job_id] = max(fence, int(generation))
+            self._apply_retention(job_id)
+
+    def fence(self, job_id: str, generation: int) -> int:
+        """Refuse shards from generations below `generation` and drop their uncommitted ones."""
+        with self._lock:
+            self._fence[job_id] = max(self._fence.get(job_id, -1), int(generation))
+            self._apply_retention(job_id)
+            return self._fence[job_id]
+
+    def _apply_retention(self, job_id: str) -> None:
+        """Caller holds the lock."""
+        committed = self._committed.get(job_id, [])
+        newest = committed[-1] if committed else None
+        fence = self._fence.get(job_id, -1)
+        for key in [k for k in self._shards if k[0] == job_id]:
+            sid = (key[1], key[2])
+            if sid in committed:
+                continue
+            if (newest is not None and sid < newest) or key[1] < fence:
+                self.used -= self._shards.pop(key).nbytes
+
+    # ------------------------------------------------------------------ reading
+    def get_meta(self, job_id: str, generation: int, step: int, rank: int) -> tuple[bytes, bytes, int]:
+        """(layout, extras, world_size) of one shard; KeyError if this keeper does not hold it."""
+        shard = self._get(job_id, generation, step, rank)
+        return shard.layout, shard.extras, shard.world_size
+
+    def get_blob(self, job_id: str, generation: int, step: int, rank: int) -> np.ndarray:
+        return self._get(job_id, generation, step, rank).blob
+
+    def _get(self, job_id: str, generation: int, step: int, rank: int) -> _Shard:
+        with self._lock:
+            shard = self._shards.get((job_id, generation, step, rank))
+        if shard is None:
+            raise KeyError(f"keeper-{self.node} holds no shard of job {job_id!r} gen {generation} step {step} rank {rank}")
+        return shard
+
+    # ------------------------------------------------------------------ housekeeping
+    def drop_job(self, job_id: str) -> int:
+        """Free every shard of the job and forget it. Returns the bytes freed."""
+        with self._lock:
+            freed = 0
+            for key in [k for k in self._shards if k[0] == job_id]:
+                freed += self._shards.pop(key).nbytes
+            self.used -= freed
+            self._committed.pop(job_id, None)
+            self._fence.pop(job_id, None)
+            return freed
+
+    def memory_report(self) -> dict[str, Any]:
+        """{"node", "limit_bytes", "used_bytes", "refused", "jobs": {job: {"bytes", "shards", "committed"}}}."""
+        with self._lock:
+            jobs: dict[str, dict[str, Any]] = {}
+            for (j, g, s, r), sh in self._shards.items():
+                e = jobs.setdefault(j, {"bytes": 0, "shards": [], "committed": list(self._committed.get(j, []))})
+                e["bytes"] += sh.nbytes
+                e["shards"].append((g, s, r))
+            for e in jobs.values():
+                e["shards"].sort()
+            return {"node": self.node, "limit_bytes": self.limit, "used_bytes": self.used,
+                    "refused": self._refused, "jobs": jobs}  # fmt: skip
+
+    def ping(self) -> str:
+        return self.node
+
+
+# ---------------------------------------------------------------------- driver/supervisor helpers
+def ensure_keepers(
+    node_names: list[str], *, memory_limit_mb: int = 4096, timeout_s: float = 60.0
+) -> dict[str, ActorHandle]:
+    """Create (or find) `keeper-<node>` on each named node; returns {node: handle} once all answer.
+
+    An existing keeper keeps the memory limit it was created with. The node must be alive and carry
+    the resource `unbroken_node_<node>`, else its keeper cannot be placed and this raises TimeoutError.
+    """
+    if not node_names:
+        raise ValueError("node_names is empty: name at least one node (its unbroken_node_<name> resource)")
+    actor_cls = ray.remote(Keeper)
+    handles: dict[str, ActorHandle] = {}
+    for node in sorted(set(node_names)):
+        handles[node] = actor_cls.options(
+            name=keeper_name(node), namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+            num_cpus=0, resources={f"{NODE_RESOURCE_PREFIX}{node}": KEEPER_RESOURCE},
+            max_concurrency=KEEPER_CONCURRENCY, max_restarts=0,
+        ).remote(node, memory_limit_mb)  # fmt: skip
+    refs = {node: h.ping.remote() for node, h in handles.items()}
+    ready, pending = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+    if pending:
+        late = [n for n, r in refs.items() if r in pending]
+        raise TimeoutError(
+            f"keepers on nodes {late} did not start within {timeout_s:.0f}s: is each node alive and does "
+            f"it carry the resource {NODE_RESOURCE_PREFIX}<node>?"
+        )
+    ray.get(ready)
+    return handles
+
+
+def kill_keepers(keepers: dict[str, ActorHandle]) -> None:
+    """ray.kill every keeper (their memory is gone): for tests and cluster teardown."""
+    for h in keepers.values():
+        try:
+            ray.kill(h, no_restart=True)
+        except Exception as e:  # noqa: BLE001 - already dead is fine
+            log.debug("kill keeper: %s", e)
+
+
+def _call_all(
+    keepers: dict[str, ActorHandle], method: str, *args: Any, timeout_s: float = 30.0
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """Call a method on every keeper; returns ({node: result}, {node: why it failed})."""
+    refs = {node: getattr(h, method).remote(*args) for node, h in keepers.items()}
+    results: dict[str, Any] = {}
+    errors: dict[str, str] = {}
+    ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+    for node, ref in refs.items():
+        try:
+            results[node] = ray.get(ref, timeout=0.001 if timeout_s else None)
+        except Exception as e:  # noqa: BLE001 - a dead or hung keeper is reported, not raised
+            errors[node] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return results, errors
+
+
+def required_copies(keepers: dict[str, ActorHandle]) -> int:
+    """Two copies when there are two or more keepers (nodes), else one."""
+    return min(2, len(keepers))
+
+
+def snapshot_holders(
+    keepers: dict[str, ActorHandle], job_id: str
+) -> tuple[dict[SnapshotId, dict[int, list[str]]], dict[SnapshotId, int], list[SnapshotId], dict[str, str]]:
+    """What the live keepers hold for a job.
+
+    Returns (holders {(gen, step): {rank: [nodes]}}, world {(gen, step): world_size},
+    committed [(gen, step)] (union, sorted), unreachable {node: error}).
+    """
+    results, errors = _call_all(keepers, "holdings", job_id)
+    holders: dict[SnapshotId, dict[int, list[str]]] = {}
+    world: dict[SnapshotId, int] = {}
+    committed: set[SnapshotId] = set()
+    for node, h in sorted(results.items()):
+        for g, s, r, w in h["shards"]:
+            holders.setdefault((g, s), {}).setdefault(r, []).append(node)
+            world[(g, s)] = w
+        committed.update(tuple(c) for c in h["committed"])  # type: ignore[misc]
+    return holders, world, sorted(committed), errors
+
+
+def commit_snapshot(
+    keepers: dict[str, ActorHandle], job_id: str, generation: int, step: int, world_size: int
+) -> bool:
+    """Commit snapshot (generation, step) if every rank's shard is held on enough keepers.
+
+    Enough = two distinct keepers (one when the cluster has a single node). Returns False, changing
+    nothing, when some shard is still missing (not sent yet, refused, or its keeper died); True once
+    every live holder has marked it committed (which frees older snapshots, see Keeper).
+    """
+    holders, world, _committed, _errors = snapshot_holders(keepers, job_id)
+    held = holders.get((generation, step), {})
+    need = required_copies(keepers)
+    if world.get((generation, step), world_size) != world_size:
+        raise ValueError(
+            f"commit_snapshot: world_size={world_size} but the shards of job {job_id!r} step {step} were "
+            f"sent by a world of {world[(generation, step)]}; pass the snapshot's world size"
+        )
+    if any(len(held.get(r, [])) < need for r in range(world_size)):
+        return False
+    nodes = sorted({n for ns in held.values() for n in ns})
+    ray.get([keepers[n].commit.remote(job_id, generation, step) for n in nodes])
+    return True
+
+
+def committed_snapshots(keepers: dict[str, ActorHandle], job_id: str) -> list[SnapshotId]:
+    """Committed (generation, step) of the job known to any live keeper, oldest first."""
+    return snapshot_holders(keepers, job_id)[2]
+
+
+def latest_committed(keepers: dict[str, ActorHandle], job_id: str) -> int | None:
+    """The step of the job's newest committed snapshot, or None."""
+    ids = committed_snapshots(keepers, job_id)
+    return ids[-1][1] if ids else None
+
+
+def fence_job(keepers: dict[str, ActorHandle], job_id: str, generation: int) -> None:
+    """Tell every live keeper that `generation` is current: older ones' shards are refused."""
+    _call_all(keepers, "fence", job_id, generation)
+
+
+def drop_job(keepers: dict[str, ActorHandle], job_id: str) -> int:
+    """Free a job's snapshots on every live keeper; returns the bytes freed."""
+    results, _ = _call_all(keepers, "drop_job", job_id)
+    return int(sum(results.values()))
+
+
+def memory_reports(keepers: dict[str, ActorHandle]) -> dict[str, dict[str, Any]]:
+    """{node: Keeper.memory_report()} of every live keeper."""
+    return _call_all(keepers, "memory_report")[0]

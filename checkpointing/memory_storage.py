@@ -1,0 +1,257 @@
+"""DCP planning over keeper memory: the per-rank shard layout (save side) and a StorageReader (load).
+
+Save side, no collectives: each rank plans ITS OWN shard with DCP's DefaultSavePlanner (local plan
+only: one WriteItem per tensor chunk it holds, with the global shape and chunk offsets), and gives
+every tensor a fixed place in one flat host buffer. The layout is computed once and reused while the
+state's structure does not change, so a snapshot is a memcpy per tensor into a reused buffer.
+Non-tensor values (step, data position, scheduler) are torch.save'd into small `extras`.
+
+Load side: the layouts of all ranks of a snapshot are merged into DCP `Metadata` (what DCP's
+coordinator would have built at save time; replicated values are kept once), and `KeeperReader`
+serves the byte ranges from the ranks' blobs, fetched from whichever keeper holds them. DCP's load
+planner does the resharding to the target state dict (any mesh, any dp degree).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import warnings
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint import Metadata, StorageReader
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.utils import find_state_dict_object
+from torch.distributed.tensor import DTensor
+from torch.futures import Future
+
+ALIGN = 64  # every tensor starts at a 64-byte boundary of the blob (dtype views need alignment)
+
+
+@dataclass
+class TensorSlot:
+    item: int  # index into ShardLayout.items
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclass
+class ShardLayout:
+    """Where each of one rank's state entries lies in its blob (and which DCP chunk it is)."""
+
+    items: list[WriteItem]
+    slots: list[TensorSlot]  # tensor items, in blob order
+    byte_items: list[int]  # BYTE_IO items (values stored in extras)
+    planner_data: Any
+    total_bytes: int
+    signature: tuple[Any, ...] = field(default=(), repr=False)
+
+    def to_bytes(self) -> bytes:
+        slots = [(s.item, s.offset, s.nbytes, str(s.dtype).removeprefix("torch."), s.shape) for s in self.slots]
+        return pickle.dumps({"items": self.items, "slots": slots, "byte_items": self.byte_items,
+                             "planner_data": self.planner_data, "total_bytes": self.total_bytes})  # fmt: skip
+
+    @staticmethod
+    def from_bytes(data: bytes) -> ShardLayout:
+        d = pickle.loads(data)
+        slots = [TensorSlot(i, o, n, getattr(torch, dt), tuple(sh)) for i, o, n, dt, sh in d["slots"]]
+        return ShardLayout(d["items"], slots, d["byte_items"], d["planner_data"], d["total_bytes"])
+
+
+def _signature(flat: dict[str, Any]) -> tuple[Any, ...]:
+    """What the layout depends on: names, shapes, dtypes and shardings of the tensors."""
+    sig: list[Any] = []
+    for k, v in flat.items():
+        if isinstance(v, DTensor):
+            sig.append((k, tuple(v.shape), v.dtype, tuple(v._local_tensor.shape), v._spec.placements,
+                        v.device_mesh.get_coordinate()))  # fmt: skip
+        elif isinstance(v, torch.Tensor):
+            sig.append((k, tuple(v.shape), v.dtype))
+        else:
+            sig.append((k, None))
+    return tuple(sig)
+
+
+def flatten(state: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    """DCP's flattening (nested dicts -> dotted keys) and its mappings."""
+    return flatten_state_dict(state)
+
+
+def plan_layout(state: dict[str, Any], flat: dict[str, Any] | None = None) -> ShardLayout:
+    """This rank's local DCP save plan and a blob offset for each tensor item (no collectives)."""
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(state, storage_meta=None, is_coordinator=False)
+    plan = planner.create_local_plan()
+    slots: list[TensorSlot] = []
+    byte_items: list[int] = []
+    offset = 0
+    for i, item in enumerate(plan.items):
+        if item.type == WriteItemType.BYTE_IO:
+            byte_items.append(i)
+            continue
+        t = planner.resolve_data(item)
+        assert isinstance(t, torch.Tensor)
+        nbytes = t.numel() * t.element_size()
+        slots.append(TensorSlot(i, offset, nbytes, t.dtype, tuple(t.shape)))
+        offset += -(-nbytes // ALIGN) * ALIGN
+    sig = _signature(flat if flat is not None else flatten(state)[0])
+    return ShardLayout(list(plan.items), slots, byte_items, plan.planner_data, offset, sig)
+
+
+def resolve(flat: dict[str, Any], item: WriteItem) -> Any:
+    """The tensor (the local shard for a DTensor) or value of one write item in a flattened state."""
+    obj = find_state_dict_object(flat, item.index)
+    return obj.detach() if isinstance(obj, torch.Tensor) else obj
+
+
+def slot_views(buf: torch.Tensor, layout: ShardLayout) -> list[torch.Tensor]:
+    """Typed views of a flat uint8 host buffer, one per tensor slot."""
+    views = []
+    for s in layout.slots:
+        piece = buf[s.offset : s.offset + s.nbytes]
+        views.append(piece.view(s.dtype).view(s.shape) if s.nbytes else torch.empty(s.shape, dtype=s.dtype))
+    return views
+
+
+def pack_extras(flat: dict[str, Any], layout: ShardLayout) -> bytes:
+    """The non-tensor values, torch.save'd as DCP would (small)."""
+    out: dict[int, bytes] = {}
+    for i in layout.byte_items:
+        b = io.BytesIO()
+        torch.save(resolve(flat, layout.items[i]), b)
+        out[i] = b.getvalue()
+    return pickle.dumps(out)
+
+
+# ---------------------------------------------------------------------- load side
+@dataclass(frozen=True)
+class Location:
+    rank: int  # the snapshot rank whose shard holds the item
+    item: int  # index into that rank's layout items
+    offset: int = 0
+    nbytes: int = 0
+    dtype: torch.dtype | None = None
+    shape: tuple[int, ...] = ()
+
+
+def build_metadata(layouts: dict[int, ShardLayout]) -> tuple[Metadata, dict[MetadataIndex, Location]]:
+    """Merge every rank's layout into DCP Metadata; replicated items are kept once (lowest rank)."""
+    md: dict[str, Any] = {}
+    where: dict[MetadataIndex, Location] = {}
+    planner_data: dict[str, Any] = {}
+    for rank in sorted(layouts):
+        lay = layouts[rank]
+        if isinstance(lay.planner_data, dict):
+            planner_data.update(lay.planner_data)
+        slot_of = {s.item: s for s in lay.slots}
+        for i, item in enumerate(lay.items):
+            fqn = item.index.fqn
+            if item.type == WriteItemType.BYTE_IO:
+                if fqn not in md:
+                    md[fqn] = BytesStorageMetadata()
+                    where[MetadataIndex(fqn)] = Location(rank, i)
+                continue
+            td = item.tensor_data
+            assert td is not None
+            key = MetadataIndex(fqn, td.chunk.offsets)
+            if key in where:
+                continue  # the same chunk from another rank (replicated)
+            tmd = md.setdefault(fqn, TensorStorageMetadata(properties=td.properties, size=td.size, chunks=[]))
+            tmd.chunks.append(td.chunk)
+            s = slot_of[i]
+            where[key] = Location(rank, i, s.offset, s.nbytes, s.dtype, s.shape)
+    return Metadata(state_dict_metadata=md, planner_data=planner_data), where
+
+
+def _narrow(t: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> torch.Tensor:
+    for dim, (off, ln) in enumerate(zip(offsets, lengths, strict=True)):
+        if off != 0 or ln != t.shape[dim]:
+            t = t.narrow(dim, off, ln)
+    return t
+
+
+class KeeperReader(StorageReader):
+    """Serves a snapshot's items from rank blobs; `fetch_blobs(ranks)` yields (rank, blob) pairs."""
+
+    def __init__(
+        self,
+        metadata: Metadata,
+        where: dict[MetadataIndex, Location],
+        extras: dict[int, dict[int, bytes]],
+        fetch_blobs: Callable[[list[int]], Any],
+    ) -> None:
+        super().__init__()
+        self.metadata = metadata
+        self.where = where
+        self.extras = extras
+        self.fetch_blobs = fetch_blobs
+        self.ranks_read: set[int] = set()
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        pass
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return self.metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        by_rank: dict[int, list[Any]] = defaultdict(list)
+        for req in plan.items:
+            loc = self.where[req.storage_index]
+            if req.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(req, io.BytesIO(self.extras[loc.rank][loc.item]))
+            else:
+                by_rank[loc.rank].append(req)
+        # Blobs arrive as they are fetched (in parallel); each is dropped once its slices are copied.
+        for rank, blob in self.fetch_blobs(sorted(by_rank)):
+            self.ranks_read.add(rank)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # a read-only Ray buffer: we only read it
+                raw = torch.from_numpy(np.asarray(blob, dtype=np.uint8))
+            for req in by_rank[rank]:
+                loc = self.where[req.storage_index]
+                assert loc.dtype is not None
+                if loc.nbytes:
+                    src = raw[loc.offset : loc.offset + loc.nbytes].view(loc.dtype).view(loc.shape)
+                else:
+                    src = torch.empty(loc.shape, dtype=loc.dtype)
+                src = _narrow(src, req.storage_offsets, req.lengths)
+                target = planner.resolve_tensor(req).detach()
+                if target.shape != src.shape:
+                    raise ValueError(
+                        f"{req.storage_index.fqn}: stored slice {tuple(src.shape)} does not fit target "
+                        f"{tuple(target.shape)}"
+                    )
+                target.copy_(src)
+                planner.commit_tensor(req, target)
+            del raw, blob
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return False

@@ -1,0 +1,461 @@
+"""The in-memory snapshot tier, worker side: send a rank's shard to two keepers; restore from them.
+
+    client = SnapshotClient(job_id, rank, world_size, node_name, keepers)
+    handle = client.snapshot(trainer.state_dict(), trainer.step, generation)  # blocks for a local copy
+    ...train on...
+    handle.result()   # SnapshotResult(ok, acked=[nodes], errors) once both keepers hold it
+    # supervisor: checkpointing.keeper.commit_snapshot(keepers, job_id, generation, step, world_size)
+
+    state = trainer.state_dict()                 # built for the NEW mesh (any dp degree)
+    info = restore_from_keepers(keepers, job_id, state, step=step)   # no collectives; SnapshotLost
+    info = restore_with_fallback(keepers, job_id, state, manager)    # collective: agrees, falls back
+    trainer.load_state_dict(state)
+
+Off the training path: `snapshot()` copies the rank's tensors into a reused host buffer (CPU: a
+memcpy; CUDA: pinned buffer, copies enqueued on a side stream that the compute stream then waits
+for, so the host never blocks) and hands it to one background thread, which puts it into the object
+store once (after which the buffer is free again; there are two, so step s+1 can copy while step s
+is sent) and asks two keepers to keep a copy: the one on this rank's node and the next node's in
+sorted order (one copy only when there is one node; said once in the log). No collectives: each rank
+plans its own shard (checkpointing.memory_storage), and resharding happens at restore.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from ray.actor import ActorHandle
+
+from checkpointing.keeper import SnapshotId, snapshot_holders
+from checkpointing.memory_storage import (
+    KeeperReader,
+    ShardLayout,
+    build_metadata,
+    flatten,
+    pack_extras,
+    plan_layout,
+    resolve,
+    slot_views,
+)
+
+log = logging.getLogger("unbroken.snapshot")
+
+__all__ = [
+    "RestoreInfo",
+    "SnapshotClient",
+    "SnapshotHandle",
+    "SnapshotLost",
+    "SnapshotResult",
+    "replica_nodes",
+    "restore_from_keepers",
+    "restore_with_fallback",
+]
+
+
+class SnapshotLost(RuntimeError):
+    """No committed snapshot can be restored from the keepers (both copies of a shard are gone, or
+    none was committed): fall back to the persistent checkpoint."""
+
+
+def replica_nodes(node_name: str, nodes: list[str]) -> list[str]:
+    """The keepers a rank on `node_name` sends to: its own node's, then the next node's in sorted order."""
+    ordered = sorted(nodes)
+    if node_name not in ordered:
+        raise ValueError(f"node_name={node_name!r} has no keeper (keepers: {ordered}); call ensure_keepers first")
+    if len(ordered) == 1:
+        return [node_name]
+    return [node_name, ordered[(ordered.index(node_name) + 1) % len(ordered)]]
+
+
+@dataclass
+class SnapshotResult:
+    step: int
+    generation: int
+    rank: int
+    ok: bool  # every target keeper acknowledged its copy
+    acked: list[str] = field(default_factory=list)  # nodes whose keeper holds the shard
+    errors: dict[str, str] = field(default_factory=dict)  # node -> why its copy failed
+    nbytes: int = 0
+    blocking_s: float = 0.0  # the training thread's share (wait for a free buffer + local copy)
+    send_s: float = 0.0  # background: object-store put and both keepers' acks
+
+
+class SnapshotHandle:
+    """A snapshot in flight; `result()` never raises keeper errors (they are in SnapshotResult)."""
+
+    def __init__(self, step: int, generation: int, future: Future[SnapshotResult], blocking_s: float) -> None:
+        self.step = step
+        self.generation = generation
+        self.blocking_s = blocking_s
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> SnapshotResult:
+        return self._future.result(timeout)
+
+    def add_done_callback(self, fn: Callable[[SnapshotResult], None]) -> None:
+        """fn(result) on the sender thread once both keepers answered (or failed)."""
+        self._future.add_done_callback(lambda f: fn(f.result()))
+
+
+class _HostBuffer:
+    def __init__(self, nbytes: int, pin: bool) -> None:
+        self.data = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        self.free = threading.Event()
+        self.free.set()
+        self.views: list[torch.Tensor] = []
+        self.event: Any = None  # torch.cuda.Event of the copies, on CUDA
+
+
+class SnapshotClient:
+    """One rank's sender. Build a new one after the group re-forms (new rank/world/generation)."""
+
+    def __init__(
+        self,
+        job_id: str,
+        rank: int,
+        world_size: int,
+        node_name: str,
+        keepers: dict[str, ActorHandle],
+        *,
+        timeout_s: float = 120.0,
+    ) -> None:
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank} world_size={world_size}: need 0 <= rank < world_size")
+        if not job_id:
+            raise ValueError("job_id is empty")
+        self.job_id = job_id
+        self.rank = rank
+        self.world_size = world_size
+        self.node_name = node_name
+        self.timeout_s = timeout_s
+        self.keepers = dict(keepers)
+        self.targets = replica_nodes(node_name, list(self.keepers))
+        if len(self.targets) == 1:
+            log.warning("only one node (%s) has a keeper: snapshots are kept once, a node loss loses them", node_name)
+        self._layout: ShardLayout | None = None
+        self._layout_bytes = b""
+        self._buffers: list[_HostBuffer] = []
+        self._next = 0
+        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"snapshot-r{rank}")
+        self._stream: Any = None
+        self.last_result: SnapshotResult | None = None
+
+    def set_keepers(self, keepers: dict[str, ActorHandle]) -> None:
+        """Use another keeper set (after a node was lost or added); later snapshots go there."""
+        self.keepers = dict(keepers)
+        self.targets = replica_nodes(self.node_name, list(self.keepers))
+
+    # ------------------------------------------------------------------ the training-path part
+    def _ensure_layout(self, state: dict[str, Any], flat: dict[str, Any]) -> ShardLayout:
+        from checkpointing.memory_storage import _signature
+
+        if self._layout is not None and self._layout.signature == _signature(flat):
+            return self._layout
+        self._layout = plan_layout(state, flat)
+        self._layout_bytes = self._layout.to_bytes()
+        pin = torch.cuda.is_available()
+        self._buffers = [_HostBuffer(max(self._layout.total_bytes, 1), pin) for _ in range(2)]
+        for b in self._buffers:
+            b.views = slot_views(b.data, self._layout)
+        return self._layout
+
+    @torch.no_grad()
+    def snapshot(self, state: dict[str, Any], step: int, generation: int) -> SnapshotHandle:
+        """Copy this rank's shard of `state` to host memory and send it in the background.
+
+        Call after the optimizer step; blocks only for the local copy (and, if the two previous
+        snapshots are both still being put into the object store, until one of them is).
+        """
+        t0 = time.perf_counter()
+        flat, _ = flatten(state)
+        layout = self._ensure_layout(state, flat)
+        buf = self._buffers[self._next]
+        self._next = (self._next + 1) % len(self._buffers)
+        buf.free.wait()
+        buf.free.clear()
+        try:
+            sources = [resolve(flat, layout.items[s.item]) for s in layout.slots]
+            on_cuda = any(t.device.type == "cuda" for t in sources)
+            if on_cuda:
+                self._copy_cuda(sources, buf)
+            else:
+                for dst, src in zip(buf.views, sources, strict=True):
+                    dst.copy_(src)
+            extras = pack_extras(flat, layout)
+        except BaseException:
+            buf.free.set()
+            raise
+        blocking = time.perf_counter() - t0
+        fut = self._sender.submit(self._send, buf, extras, int(step), int(generation), blocking)
+        return SnapshotHandle(int(step), int(generation), fut, blocking)
+
+    def _copy_cuda(self, sources: list[torch.Tensor], buf: _HostBuffer) -> None:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        current = torch.cuda.current_stream()
+        self._stream.wait_stream(current)  # the copies see the finished optimizer step
+        with torch.cuda.stream(self._stream):
+            for dst, src in zip(buf.views, sources, strict=True):
+                dst.copy_(src, non_blocking=True)
+        buf.event = torch.cuda.Event()
+        buf.event.record(self._stream)
+        # Later kernels (the next optimizer step) must not overwrite what is still being copied;
+        # the wait is on the GPU, the host goes on.
+        current.wait_event(buf.event)
+
+    # ------------------------------------------------------------------ the background part
+    def _send(self, buf: _HostBuffer, extras: bytes, step: int, generation: int, blocking: float) -> SnapshotResult:
+        t0 = time.perf_counter()
+        res = SnapshotResult(step, generation, self.rank, ok=False, blocking_s=blocking)
+        try:
+            if buf.event is not None:
+                buf.event.synchronize()
+            ref = ray.put(buf.data.numpy())  # one copy into the object store, shared by both keepers
+        except BaseException as e:
+            buf.free.set()
+            res.errors["local"] = f"{type(e).__name__}: {e}"
+            log.error("snapshot step %d rank %d: %s", step, self.rank, res.errors["local"])
+            return res
+        buf.free.set()
+        res.nbytes = int(buf.data.numel()) + len(extras) + len(self._layout_bytes)
+        calls = {
+            node: self.keepers[node].put_shard.remote(
+                self.job_id, generation, step, self.rank, self.world_size, self._layout_bytes, extras, ref
+            )
+            for node in self.targets
+        }
+        del ref
+        for node, call in calls.items():
+            try:
+                ray.get(call, timeout=self.timeout_s)
+                res.acked.append(node)
+            except Exception as e:  # noqa: BLE001 - reported in the result, never raised into training
+                res.errors[node] = _short(e)
+        res.ok = not res.errors
+        res.send_s = time.perf_counter() - t0
+        if not res.ok:
+            log.error("snapshot step %d rank %d not held everywhere: %s", step, self.rank, res.errors)
+        self.last_result = res
+        return res
+
+    def close(self) -> None:
+        """Wait for the snapshots in flight and stop the sender thread."""
+        self._sender.shutdown(wait=True)
+
+
+def _short(e: BaseException) -> str:
+    """The root message of a (possibly Ray-wrapped) keeper error, one line."""
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, BaseException):
+        e = cause
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[-1] if text else ''}"
+
+
+# ---------------------------------------------------------------------- restore
+@dataclass
+class RestoreInfo:
+    source: str  # "keepers" or "persistent"
+    job_id: str
+    step: int
+    generation: int | None
+    world_size: int | None  # the world size the snapshot/checkpoint was taken at
+    copies_used: dict[int, str] = field(default_factory=dict)  # snapshot rank -> keeper node read from
+    single_copy_ranks: list[int] = field(default_factory=list)  # ranks with only one live copy left
+    unreachable_keepers: dict[str, str] = field(default_factory=dict)  # node -> error
+    fallback_reason: str | None = None  # why the keepers were not used (persistent source)
+    uri: str | None = None  # the persistent checkpoint's location
+    elapsed_s: float = 0.0
+
+    def describe(self) -> str:
+        if self.source == "keepers":
+            used = ", ".join(f"rank {r}: keeper-{n}" for r, n in sorted(self.copies_used.items()))
+            return (f"restored step {self.step} (generation {self.generation}, world {self.world_size}) from "
+                    f"keepers [{used}]" + (f"; unreachable: {sorted(self.unreachable_keepers)}"
+                                            if self.unreachable_keepers else ""))  # fmt: skip
+        return f"restored step {self.step} from the persistent checkpoint {self.uri}; fell back because: {self.fallback_reason}"
+
+
+def _choose(
+    committed: list[SnapshotId], step: int | None, generation: int | None, job_id: str
+) -> SnapshotId:
+    cands = [c for c in committed if (step is None or c[1] == step) and (generation is None or c[0] == generation)]
+    if not cands:
+        what = "any step" if step is None else f"step {step}" + (f" generation {generation}" if generation is not None else "")
+        raise SnapshotLost(
+            f"job {job_id!r}: no committed in-memory snapshot of {what} on any live keeper "
+            f"(committed: {committed}); restore from the persistent checkpoint"
+        )
+    return cands[-1]
+
+
+def _fetch_iter(
+    keepers: dict[str, ActorHandle], job_id: str, sid: SnapshotId, order: dict[int, list[str]],
+    used: dict[int, str], timeout_s: float,
+) -> Callable[[list[int]], Iterator[tuple[int, Any]]]:  # fmt: skip
+    """A blob fetcher for KeeperReader: all requests in parallel, each rank from its first live holder."""
+
+    def fetch(ranks: list[int]) -> Iterator[tuple[int, Any]]:
+        tries = {r: list(order[r]) for r in ranks}
+        pending: dict[Any, tuple[int, str]] = {}
+
+        def ask(r: int) -> None:
+            if not tries[r]:
+                raise SnapshotLost(
+                    f"job {job_id!r} step {sid[1]} (generation {sid[0]}): every copy of rank {r}'s shard is "
+                    f"gone (tried {order[r]}); restore from the persistent checkpoint"
+                )
+            node = tries[r].pop(0)
+            pending[keepers[node].get_blob.remote(job_id, sid[0], sid[1], r)] = (r, node)
+
+        for r in ranks:
+            ask(r)
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=timeout_s)
+            if not done:
+                raise SnapshotLost(f"job {job_id!r}: keepers did not answer within {timeout_s:.0f}s")
+            r, node = pending.pop(done[0])
+            try:
+                blob = ray.get(done[0])
+            except Exception as e:  # noqa: BLE001 - try the other copy
+                log.warning("rank %d's shard from keeper-%s failed (%s); trying another copy", r, node, _short(e))
+                ask(r)
+                continue
+            used[r] = node
+            yield r, blob
+
+    return fetch
+
+
+def restore_from_keepers(
+    keepers: dict[str, ActorHandle],
+    job_id: str,
+    state: dict[str, Any],
+    *,
+    step: int | None = None,
+    generation: int | None = None,
+    prefer_node: str | None = None,
+    timeout_s: float = 120.0,
+) -> RestoreInfo:
+    """Load a committed snapshot into `state` in place (resharding to its mesh); no collectives.
+
+    `state` is built for the current mesh (e.g. `trainer.state_dict()` of a fresh Trainer). step=None
+    takes the newest committed snapshot; pass the same step to every rank (the supervisor chooses).
+    Each shard is read from `prefer_node`'s keeper if it holds a copy, else another live one.
+    Raises SnapshotLost when no committed snapshot is complete on the live keepers.
+    """
+    t0 = time.perf_counter()
+    holders, world, committed, unreachable = snapshot_holders(keepers, job_id)
+    sid = _choose(committed, step, generation, job_id)
+    held = holders.get(sid, {})
+    w = world.get(sid)
+    if w is None:
+        raise SnapshotLost(
+            f"job {job_id!r} step {sid[1]} (generation {sid[0]}) is committed but no live keeper holds any of "
+            f"its shards (unreachable: {sorted(unreachable)}); restore from the persistent checkpoint"
+        )
+    lost = [r for r in range(w) if not held.get(r)]
+    if lost:
+        raise SnapshotLost(
+            f"job {job_id!r} step {sid[1]} (generation {sid[0]}): both copies of the shards of rank(s) {lost} "
+            f"are gone (unreachable keepers: {sorted(unreachable) or 'none'}); restore from the persistent checkpoint"
+        )
+    order = {r: sorted(held[r], key=lambda n: (n != prefer_node, n)) for r in range(w)}
+    used: dict[int, str] = {}
+    # Every rank's layout (small) builds the metadata; fetched in parallel, with the same fallback.
+    metas: dict[int, tuple[bytes, bytes, int]] = {}
+    for r, node_list in order.items():
+        for node in node_list:
+            try:
+                metas[r] = ray.get(keepers[node].get_meta.remote(job_id, sid[0], sid[1], r), timeout=timeout_s)
+                break
+            except Exception as e:  # noqa: BLE001 - try the other copy
+                log.warning("rank %d's layout from keeper-%s failed (%s)", r, node, _short(e))
+        else:
+            raise SnapshotLost(f"job {job_id!r} step {sid[1]}: every copy of rank {r}'s shard is gone")
+    import pickle
+
+    layouts = {r: ShardLayout.from_bytes(m[0]) for r, m in metas.items()}
+    extras = {r: pickle.loads(m[1]) for r, m in metas.items()}
+    metadata, where = build_metadata(layouts)
+    reader = KeeperReader(metadata, where, extras, _fetch_iter(keepers, job_id, sid, order, used, timeout_s))
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+            dcp.load(state, storage_reader=reader, no_dist=True)
+    except BaseException as e:  # DCP wraps failures in CheckpointException (a BaseException)
+        if isinstance(e, KeyboardInterrupt | SystemExit):
+            raise
+        for cause in _causes(e):
+            if isinstance(cause, SnapshotLost):
+                raise cause from None
+        raise
+    return RestoreInfo(
+        source="keepers", job_id=job_id, step=sid[1], generation=sid[0], world_size=w,
+        copies_used=dict(sorted(used.items())),
+        single_copy_ranks=[r for r in range(w) if len(held[r]) < min(2, len(keepers))],
+        unreachable_keepers=unreachable, elapsed_s=time.perf_counter() - t0,
+    )  # fmt: skip
+
+
+def _causes(e: BaseException) -> list[BaseException]:
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        return [w[0] if isinstance(w, tuple) else w for w in failures.values()]
+    return [e, *([e.__cause__] if e.__cause__ else [])]
+
+
+def restore_with_fallback(
+    keepers: dict[str, ActorHandle],
+    job_id: str,
+    state: dict[str, Any],
+    manager: Any,
+    *,
+    step: int | None = None,
+    generation: int | None = None,
+    prefer_node: str | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> RestoreInfo:
+    """restore_from_keepers on every rank; if any rank hits SnapshotLost, all load the newest valid
+    persistent checkpoint with `manager` (a checkpointing.persistent.CheckpointManager on the current
+    group). Collective when torch.distributed is initialised: every rank must call it.
+    """
+    t0 = time.perf_counter()
+    info: RestoreInfo | None = None
+    why = ""
+    try:
+        info = restore_from_keepers(keepers, job_id, state, step=step, generation=generation, prefer_node=prefer_node)
+    except SnapshotLost as e:
+        why = str(e)
+    reasons = [why]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, why, group=group)
+        reasons = gathered
+    failed = [r for r in reasons if r]
+    if not failed and info is not None:
+        return info
+    reason = failed[0]
+    log.warning("job %s: in-memory snapshot unusable (%s); falling back to the persistent checkpoint", job_id, reason)
+    ckpt = manager.load_latest(state)
+    if ckpt is None:
+        raise SnapshotLost(f"{reason}; and no valid persistent checkpoint under {manager.uri}")
+    return RestoreInfo(
+        source="persistent", job_id=job_id, step=ckpt.step, generation=ckpt.generation,
+        world_size=ckpt.world_size, fallback_reason=reason, uri=getattr(ckpt, "uri", ckpt.root_uri),
+        elapsed_s=time.perf_counter() - t0,
+    )  # fmt: skip

@@ -1,20 +1,23 @@
 """The persistent checkpoint tier: asynchronous DCP saves to file:// or s3://, retention, loading.
 
     mgr = CheckpointManager(cfg, default_root, rank=r, world_size=w)   # collective when w > 1
-    handle = mgr.save_async(trainer.state_dict(), step, generation, layout)  # blocks for a host copy
+    handle = mgr.save_async(trainer.state_dict(), step, generation, layout,
+                            optimizer=trainer.optimizer)  # host copy overlaps the next forward/backward
     ...train on...
     result = handle.result()           # SaveResult(ok=..., error=...); never raises storage errors
     info = mgr.latest_valid()          # collective when w > 1; mgr.skipped says why newer ones were not
     state = trainer.state_dict()       # built for the CURRENT mesh (fresh optimizer state included)
     mgr.load(state, info)              # in place, resharding as needed; then trainer.load_state_dict(state)
 
-Saving: the training thread copies the state to reused host buffers (HostStager) and returns; a
-single background thread runs `dcp.save` over that copy on a dedicated gloo group (so its
-collectives never interleave with the training collectives), each rank streams one object, and rank 0
-writes `.metadata` and then the manifest. At most one save is in flight: `save_async` first waits
-for the previous one (all ranks do, so the collective sequence stays aligned; skipping on some
-ranks only would deadlock). A failed save (full disk, store down, fenced) is reported in its
-SaveResult, logged, kept in `last_error`, and never raised into the training step.
+Saving: the state is copied to reused host buffers (HostStager): on the training thread, or, with
+`optimizer=`, on the upload thread while the next forward/backward runs (that optimizer's next
+step waits for the copy). The single background thread then runs `dcp.save` over the copy on a
+dedicated gloo group (its collectives never interleave with training's), each rank streams one
+object, and rank 0 writes `.metadata` and then the manifest. At most one save is in flight:
+`save_async` first waits for the previous one (all ranks do, so the collective sequence stays
+aligned; skipping on some ranks only would deadlock). A failed save (full disk, store down,
+fenced) is reported in its SaveResult, logged, kept in `last_error`, and never raised into the
+training step.
 
 The process group is captured at construction: after the job's group is re-formed (a new
 generation or world size), build a new CheckpointManager (after `close()` on the old one).
@@ -24,13 +27,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
@@ -48,7 +54,7 @@ from checkpointing.config import CheckpointConfig
 from checkpointing.dcp_storage import ObjectStoreReader, ObjectStoreWriter
 from checkpointing.manifest import MANIFEST_NAME, FileEntry, Manifest, step_dir
 from checkpointing.object_store import ChecksumMismatch, ObjectMissing, StorageError
-from checkpointing.state import HostStager
+from checkpointing.state import HostStager, map_tensors
 from checkpointing.uri import open_store
 
 log = logging.getLogger("unbroken.checkpoint")
@@ -71,23 +77,30 @@ class SaveResult:
     error: str | None = None
     uri: str = ""
     bytes_written: int = 0  # this rank's data object
-    blocking_s: float = 0.0  # time the training thread was held (host copy)
+    blocking_s: float = 0.0  # time the training thread was held (host copy, or waiting in optimizer.step)
     upload_s: float = 0.0  # background time: planning, upload, metadata, manifest, retention
 
 
 class SaveHandle:
     """A save in flight. `result()` waits and returns a SaveResult; storage errors are inside it."""
 
-    def __init__(self, step: int, future: Future[SaveResult], blocking_s: float) -> None:
+    def __init__(self, step: int, staged: threading.Event, blocking_s: float) -> None:
         self.step = step
-        self.blocking_s = blocking_s
-        self._future = future
+        self.staged = staged  # set once the state's tensors are copied to host memory
+        self.blocking_s = blocking_s  # training-thread time: the call, plus any wait in optimizer.step
+        self._future: Future[SaveResult] = Future()
+
+    def wait_staged(self, timeout: float | None = None) -> bool:
+        """Wait until the host copy is complete (then the live state may change again)."""
+        return self.staged.wait(timeout)
 
     def done(self) -> bool:
         return self._future.done()
 
     def result(self, timeout: float | None = None) -> SaveResult:
-        return self._future.result(timeout)
+        res = self._future.result(timeout)
+        res.blocking_s = self.blocking_s
+        return res
 
     def add_done_callback(self, fn: Callable[[SaveResult], None]) -> None:
         """fn(result) on the upload thread once the save ends (ok or not)."""
@@ -160,21 +173,77 @@ class CheckpointManager:
         self._stager = HostStager()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-upload")
         self._pending: SaveHandle | None = None
+        self._hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._hook_handles: list[Any] = []
         self.last_error: str | None = None
         self.skipped: list[tuple[int, str]] = []
 
     # ---------------------------------------------------------------- saving
     def save_async(
-        self, state: dict[str, Any], step: int, generation: int, layout: dict[str, Any]
+        self,
+        state: dict[str, Any],
+        step: int,
+        generation: int,
+        layout: dict[str, Any],
+        *,
+        optimizer: torch.optim.Optimizer | None = None,
     ) -> SaveHandle:
-        """Stage `state` to host memory (blocking), then upload in the background. Collective."""
+        """Copy `state` to host memory, then upload it in the background. Collective.
+
+        Without `optimizer` the copy happens here (the training thread blocks for it). With it, only
+        the Python values are copied here; the tensors are copied on the upload thread while training
+        goes on, and that optimizer's next `step()` waits until the copy is complete: parameters and
+        optimizer state change only there. Then nothing else may modify the state's tensors in place
+        before that step (or `handle.wait_staged()`); forward/backward and grad clipping only read them.
+        """
         self.wait()  # at most one save in flight
         t0 = time.perf_counter()
-        staged = self._stager.stage(state)
+        staged_evt = threading.Event()
+        if optimizer is None:
+            staged = self._stager.stage(state)
+            staged_evt.set()
+            task = (self._save_staged, staged)
+        else:
+            self._hook(optimizer)
+            skeleton = map_tensors(state, lambda _path, t: t)  # Python leaves copied now, tensors later
+            task = (self._stage_then_save, skeleton, staged_evt)
         blocking = time.perf_counter() - t0
-        fut = self._executor.submit(self._save_staged, staged, step, generation, dict(layout), blocking)
-        self._pending = SaveHandle(step, fut, blocking)
-        return self._pending
+        handle = SaveHandle(step, staged_evt, blocking)
+        self._pending = handle
+        handle._future = self._executor.submit(*task, step, generation, dict(layout), blocking)
+        return handle
+
+    def _hook(self, optimizer: torch.optim.Optimizer) -> None:
+        if optimizer not in self._hooked:
+            self._hooked.add(optimizer)
+            self._hook_handles.append(optimizer.register_step_pre_hook(self._before_optimizer_step))
+
+    def _before_optimizer_step(self, *_: Any) -> None:
+        handle = self._pending
+        if handle is not None and not handle.staged.is_set():
+            t0 = time.perf_counter()
+            handle.staged.wait()
+            handle.blocking_s += time.perf_counter() - t0
+
+    def _stage_then_save(
+        self,
+        skeleton: dict[str, Any],
+        staged_evt: threading.Event,
+        step: int,
+        generation: int,
+        layout: dict[str, Any],
+        blocking: float,
+    ) -> SaveResult:
+        try:
+            staged = self._stager.stage(skeleton)
+        except Exception as e:  # noqa: BLE001 - reported in the result, like any failed save
+            res = SaveResult(step, generation, ok=False, error=f"staging failed: {type(e).__name__}: {e}")
+            self.last_error = res.error
+            log.error("checkpoint step %d: %s", step, res.error)
+            return res
+        finally:
+            staged_evt.set()
+        return self._save_staged(staged, step, generation, layout, blocking)
 
     def save(self, state: dict[str, Any], step: int, generation: int, layout: dict[str, Any]) -> SaveResult:
         return self.save_async(state, step, generation, layout).result()
@@ -339,10 +408,13 @@ class CheckpointManager:
             write_fence(self.store, generation, resume_step)
 
     def close(self) -> None:
-        """Finish the save in flight and stop the upload thread (the gloo group is left to its owner)."""
+        """Finish the save in flight, unhook optimizers, stop the upload thread (the group stays)."""
         try:
             self.wait()
         finally:
+            for h in self._hook_handles:
+                h.remove()
+            self._hook_handles.clear()
             self._executor.shutdown(wait=True)
 
     @property

@@ -7,7 +7,7 @@ DCP-savable, DTensors for sharded values). These helpers are what the checkpoint
   Replicated plain tensors are saved once by DCP (deduplicated), so per-rank RNG state that
   differs between ranks must sit under a rank-specific key (`rng_key(rank)`).
 - `HostStager`: copies a state dict to host memory with buffers reused between saves, so the
-  training loop blocks only for a memcpy (pinned + non_blocking on CUDA).
+  training loop blocks at most for a memcpy (pinned, on a side stream on CUDA).
 - `gather_full`: every tensor as a full (unsharded) CPU tensor, for comparisons and export.
 """
 
@@ -87,6 +87,7 @@ class HostStager:
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._bufs: dict[tuple[str, ...], torch.Tensor] = {}
         self._had_cuda = False
+        self._stream: Any = None  # torch.cuda.Stream, made on first use
 
     def _buffer(self, path: tuple[str, ...], src: torch.Tensor) -> torch.Tensor:
         buf = self._bufs.get(path)
@@ -111,10 +112,21 @@ class HostStager:
 
     @torch.no_grad()
     def stage(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Copy every tensor of `state` into the host buffers; returns the staged structure.
+
+        On CUDA the copies run on a side stream that first waits for the default stream (so they
+        see the last optimizer step), and stage() returns once they are complete. It may run on
+        a thread other than the training thread.
+        """
         self._had_cuda = False
-        staged = map_tensors(state, self._copy)
-        if self._had_cuda:
-            torch.cuda.current_stream().synchronize()
+        if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+            return map_tensors(state, self._copy)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        self._stream.wait_stream(torch.cuda.default_stream())
+        with torch.cuda.stream(self._stream):
+            staged = map_tensors(state, self._copy)
+        self._stream.synchronize()
         return staged
 
     def nbytes(self) -> int:

@@ -139,7 +139,11 @@ def trainer_save(rank: int, world: int, workdir: Path, tp: int) -> None:
         trainer.train_step()
     mgr = CheckpointManager(cfg_for(f"trainer-tp{tp}", workdir), "unused", rank=rank, world_size=world)
     handle = mgr.save_async(
-        trainer.state_dict(), trainer.step, generation=0, layout={"dp_shard": world // tp, "tp": tp}
+        trainer.state_dict(),
+        trainer.step,
+        generation=0,
+        layout={"dp_shard": world // tp, "tp": tp},
+        optimizer=trainer.optimizer if tp == 1 else None,  # both staging modes
     )
     losses = [trainer.train_step().loss for _ in range(TRAIN_STEPS - 5)]  # while the upload runs
     res = handle.result()
@@ -196,7 +200,7 @@ def main() -> None:
         )
         assert first.result().ok, first.result().error
         handle = mgr.save_async({"model": msd, "optim": osd, "step": 2}, step=2, generation=0,
-                                layout={"layout": layout, "world": world0})  # fmt: skip
+                                layout={"layout": layout, "world": world0}, optimizer=opt)  # fmt: skip
         loss3 = train_step(model, opt, mesh, 3)  # mutates params/optimizer while the upload runs
         res = handle.result()
         assert res.ok, res.error

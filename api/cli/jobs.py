@@ -57,20 +57,20 @@ def _fmt(v: Any, spec: str = "") -> str:
 
 
 def _watch(c: Client, job_id: str) -> Any:
-    """A live bar until the job finishes: step/total, loss, tokens/s, dp, recoveries."""
+    """A live bar until the job finishes: step/total, loss, tokens/s, dp, recoveries (rec)."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     console = Console(stderr=True)
-    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("{task.fields[info]}"), TimeElapsedColumn())
+    columns = (BarColumn(bar_width=12), TextColumn("{task.fields[info]}"), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=False) as bar:
         task = bar.add_task(job_id, total=None, info="PENDING")
 
         def update(job: Any) -> None:
             p = job.progress
-            info = (f"{job.status}  loss {_fmt(p.loss, '.4f')}  tok/s {_fmt(p.tokens_per_s, ',.0f')}  "
-                    f"dp {_fmt(p.dp)}  recoveries {p.recoveries}")
+            step = f"{p.step or 0}/{p.total_steps}" if p.total_steps else str(p.step or 0)
+            info = (f"{job.status} {step} loss {_fmt(p.loss, '.4f')} tok/s {_fmt(p.tokens_per_s, ',.0f')} "
+                    f"dp {_fmt(p.dp)} rec {p.recoveries}")
             bar.update(task, total=p.total_steps, completed=p.step or 0, info=info)
 
         return c.wait(job_id, progress_callback=update, poll_s=1.0)

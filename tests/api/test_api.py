@@ -337,3 +337,43 @@ def test_restart_keeps_jobs(api: Api) -> None:
             assert c.get(ids[0]).status == "CANCELLED" and c.get(ids[1]).status == "PENDING"
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("outcome", ["SUCCEEDED", "FAILED"])
+def test_cli_submit_wait_follows_progress_to_the_end(api: Api, tmp_path: Path, outcome: str) -> None:
+    from typer.testing import CliRunner
+
+    from api.cli import app
+
+    name, token = api.user()
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text("name: waited\nmodel: {preset: tiny}\ntraining: {steps: 4}\n")
+
+    def runtime() -> None:  # the supervisor's reports, through the store as it writes them
+        jobs = until_jobs(api.store, name)
+        jid = jobs[0].id
+        api.store.set_status(jid, "RUNNING")
+        for step in range(1, 5):
+            api.store.add_metrics(jid, [{"step": step, "loss": 5.0 - step, "dp": 2, "tokens_per_s": 1000.0}])
+            time.sleep(0.3)
+        api.store.set_status(jid, outcome, None if outcome == "SUCCEEDED" else "worker exploded")
+
+    t = threading.Thread(target=runtime)
+    t.start()
+    r = CliRunner().invoke(app, ["submit", str(job_file), "--wait"],
+                           env={"UNBROKEN_URL": api.url, "UNBROKEN_TOKEN": token})
+    t.join(30)
+    assert r.exit_code == (0 if outcome == "SUCCEEDED" else 1), r.output
+    assert outcome in r.output and "4/4" in r.output
+    if outcome == "FAILED":
+        assert "worker exploded" in r.output
+
+
+def until_jobs(store: JobStore, owner: str, timeout: float = 30.0) -> list[Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        jobs, _ = store.list_jobs(owner=owner)
+        if jobs:
+            return jobs
+        time.sleep(0.05)
+    raise AssertionError(f"no job of {owner} appeared")

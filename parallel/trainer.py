@@ -248,4 +248,6 @@ class Trainer:
             local = {k: v.detach().cpu().clone() for k, v in full.items()}
             return gather_full_state(local, self.dims.get_mesh(self.mesh, "pp").get_group())
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_model_state_dict(self.model, options=opts)
+        # On a CPU device a gathered (or replicated) tensor may share storage with the live
+        # parameter; clone so the result stays a snapshot while training goes on.
+        return {k: v.detach().clone() for k, v in get_model_state_dict(self.model, options=opts).items()}

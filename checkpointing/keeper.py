@@ -79,7 +79,9 @@ class Keeper:
 
     def __init__(self, node: str, memory_limit_mb: int) -> None:
         if memory_limit_mb < 1:
-            raise ValueError(f"memory_limit_mb={memory_limit_mb}: must be >= 1 (checkpoint.keeper_memory_limit_mb)")
+            raise ValueError(
+                f"memory_limit_mb={memory_limit_mb}: must be >= 1 (checkpoint.keeper_memory_limit_mb)"
+            )
         self.node = node
         self.limit = int(memory_limit_mb) * 1024 * 1024
         self.used = 0
@@ -118,7 +120,9 @@ class Keeper:
                 )
             self.used += size - (old.nbytes if old else 0)  # reserve before copying
         try:
-            shard = _Shard(np.array(blob, dtype=np.uint8, copy=True), layout, extras, int(world_size), time.time())
+            shard = _Shard(
+                np.array(blob, dtype=np.uint8, copy=True), layout, extras, int(world_size), time.time()
+            )
         except BaseException:
             with self._lock:
                 self.used -= size - (old.nbytes if old else 0)
@@ -134,7 +138,11 @@ class Keeper:
         """{"node", "shards": [(generation, step, rank, world_size)], "committed": [(generation, step)]}."""
         with self._lock:
             shards = [(g, s, r, sh.world_size) for (j, g, s, r), sh in self._shards.items() if j == job_id]
-            return {"node": self.node, "shards": sorted(shards), "committed": list(self._committed.get(job_id, []))}
+            return {
+                "node": self.node,
+                "shards": sorted(shards),
+                "committed": list(self._committed.get(job_id, [])),
+            }
 
     def commit(self, job_id: str, generation: int, step: int) -> None:
         """Mark (generation, step) committed for the job, fence older generations, apply retention."""
@@ -185,7 +193,9 @@ class Keeper:
         with self._lock:
             shard = self._shards.get((job_id, generation, step, rank))
         if shard is None:
-            raise KeyError(f"keeper-{self.node} holds no shard of job {job_id!r} gen {generation} step {step} rank {rank}")
+            raise KeyError(
+                f"keeper-{self.node} holds no shard of job {job_id!r} gen {generation} step {step} rank {rank}"
+            )
         return shard
 
     # ------------------------------------------------------------------ housekeeping
@@ -205,7 +215,9 @@ class Keeper:
         with self._lock:
             jobs: dict[str, dict[str, Any]] = {}
             for (j, g, s, r), sh in self._shards.items():
-                e = jobs.setdefault(j, {"bytes": 0, "shards": [], "committed": list(self._committed.get(j, []))})
+                e = jobs.setdefault(
+                    j, {"bytes": 0, "shards": [], "committed": list(self._committed.get(j, []))}
+                )
                 e["bytes"] += sh.nbytes
                 e["shards"].append((g, s, r))
             for e in jobs.values():

@@ -62,7 +62,9 @@ class ShardLayout:
     signature: tuple[Any, ...] = field(default=(), repr=False)
 
     def to_bytes(self) -> bytes:
-        slots = [(s.item, s.offset, s.nbytes, str(s.dtype).removeprefix("torch."), s.shape) for s in self.slots]
+        slots = [
+            (s.item, s.offset, s.nbytes, str(s.dtype).removeprefix("torch."), s.shape) for s in self.slots
+        ]
         return pickle.dumps({"items": self.items, "slots": slots, "byte_items": self.byte_items,
                              "planner_data": self.planner_data, "total_bytes": self.total_bytes})  # fmt: skip
 
@@ -208,7 +210,9 @@ class KeeperReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         return self.metadata
 
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
         pass
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:

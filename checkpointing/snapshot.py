@@ -72,7 +72,9 @@ def replica_nodes(node_name: str, nodes: list[str]) -> list[str]:
     """The keepers a rank on `node_name` sends to: its own node's, then the next node's in sorted order."""
     ordered = sorted(nodes)
     if node_name not in ordered:
-        raise ValueError(f"node_name={node_name!r} has no keeper (keepers: {ordered}); call ensure_keepers first")
+        raise ValueError(
+            f"node_name={node_name!r} has no keeper (keepers: {ordered}); call ensure_keepers first"
+        )
     if len(ordered) == 1:
         return [node_name]
     return [node_name, ordered[(ordered.index(node_name) + 1) % len(ordered)]]
@@ -145,7 +147,9 @@ class SnapshotClient:
         self.keepers = dict(keepers)
         self.targets = replica_nodes(node_name, list(self.keepers))
         if len(self.targets) == 1:
-            log.warning("only one node (%s) has a keeper: snapshots are kept once, a node loss loses them", node_name)
+            log.warning(
+                "only one node (%s) has a keeper: snapshots are kept once, a node loss loses them", node_name
+            )
         self._layout: ShardLayout | None = None
         self._layout_bytes = b""
         self._buffers: list[_HostBuffer] = []
@@ -218,7 +222,9 @@ class SnapshotClient:
         current.wait_event(buf.event)
 
     # ------------------------------------------------------------------ the background part
-    def _send(self, buf: _HostBuffer, extras: bytes, step: int, generation: int, blocking: float) -> SnapshotResult:
+    def _send(
+        self, buf: _HostBuffer, extras: bytes, step: int, generation: int, blocking: float
+    ) -> SnapshotResult:
         t0 = time.perf_counter()
         res = SnapshotResult(step, generation, self.rank, ok=False, blocking_s=blocking)
         try:
@@ -290,12 +296,16 @@ class RestoreInfo:
         return f"restored step {self.step} from the persistent checkpoint {self.uri}; fell back because: {self.fallback_reason}"
 
 
-def _choose(
-    committed: list[SnapshotId], step: int | None, generation: int | None, job_id: str
-) -> SnapshotId:
-    cands = [c for c in committed if (step is None or c[1] == step) and (generation is None or c[0] == generation)]
+def _choose(committed: list[SnapshotId], step: int | None, generation: int | None, job_id: str) -> SnapshotId:
+    cands = [
+        c for c in committed if (step is None or c[1] == step) and (generation is None or c[0] == generation)
+    ]
     if not cands:
-        what = "any step" if step is None else f"step {step}" + (f" generation {generation}" if generation is not None else "")
+        what = (
+            "any step"
+            if step is None
+            else f"step {step}" + (f" generation {generation}" if generation is not None else "")
+        )
         raise SnapshotLost(
             f"job {job_id!r}: no committed in-memory snapshot of {what} on any live keeper "
             f"(committed: {committed}); restore from the persistent checkpoint"
@@ -332,7 +342,9 @@ def _fetch_iter(
             try:
                 blob = ray.get(done[0])
             except Exception as e:  # noqa: BLE001 - try the other copy
-                log.warning("rank %d's shard from keeper-%s failed (%s); trying another copy", r, node, _short(e))
+                log.warning(
+                    "rank %d's shard from keeper-%s failed (%s); trying another copy", r, node, _short(e)
+                )
                 ask(r)
                 continue
             used[r] = node
@@ -381,7 +393,9 @@ def restore_from_keepers(
     for r, node_list in order.items():
         for node in node_list:
             try:
-                metas[r] = ray.get(keepers[node].get_meta.remote(job_id, sid[0], sid[1], r), timeout=timeout_s)
+                metas[r] = ray.get(
+                    keepers[node].get_meta.remote(job_id, sid[0], sid[1], r), timeout=timeout_s
+                )
                 break
             except Exception as e:  # noqa: BLE001 - try the other copy
                 log.warning("rank %d's layout from keeper-%s failed (%s)", r, node, _short(e))
@@ -438,7 +452,9 @@ def restore_with_fallback(
     info: RestoreInfo | None = None
     why = ""
     try:
-        info = restore_from_keepers(keepers, job_id, state, step=step, generation=generation, prefer_node=prefer_node)
+        info = restore_from_keepers(
+            keepers, job_id, state, step=step, generation=generation, prefer_node=prefer_node
+        )
     except SnapshotLost as e:
         why = str(e)
     reasons = [why]
@@ -450,7 +466,9 @@ def restore_with_fallback(
     if not failed and info is not None:
         return info
     reason = failed[0]
-    log.warning("job %s: in-memory snapshot unusable (%s); falling back to the persistent checkpoint", job_id, reason)
+    log.warning(
+        "job %s: in-memory snapshot unusable (%s); falling back to the persistent checkpoint", job_id, reason
+    )
     ckpt = manager.load_latest(state)
     if ckpt is None:
         raise SnapshotLost(f"{reason}; and no valid persistent checkpoint under {manager.uri}")

@@ -1,0 +1,167 @@
+"""The in-memory tier on a real 2-node LocalCluster ("head" + "b"), 4 ranks as Ray actors (2 a node).
+
+One cluster, one set of actors, phases in order (one test: start-up dominates the cost):
+  keepers alone   memory limit refusal (clear error), fencing of an old generation, drop_job back to 0
+  world 4         FSDP Trainer, 12 steps; snapshots of steps 1-3 sent to two keepers each and
+                  committed (retention keeps 2 and 3), step 2 also persisted to file://
+  world 2, 3      fresh Trainers with other weights restore the committed step 3 (resharded): the
+                  full gathered state equals the world-4 one, the next 4 losses match the run
+  node b killed   (its ranks and its keeper die) world 2 restores from keeper-head's copies only
+  keeper-head killed  both copies of every shard gone: SnapshotLost, and restore_with_fallback loads
+                  the persistent step 2 (state and next losses match), its RestoreInfo says why
+  teardown        no keeper left
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+from checkpointing.keeper import (
+    commit_snapshot,
+    drop_job,
+    ensure_keepers,
+    fence_job,
+    keeper_name,
+    kill_keepers,
+    latest_committed,
+    memory_reports,
+)
+from checkpointing.snapshot import SnapshotClient
+from service.local_cluster import LocalCluster, free_port
+from tests.checkpointing.keeper_ranks import RankActor
+
+JOB = "job-keepers"
+LIMIT_MB = 16
+
+
+def _keepers_alone(keepers: dict[str, ray.actor.ActorHandle]) -> None:
+    # Refusal: a 20 MiB shard against a 16 MiB limit, on both keepers, with the fix in the message.
+    big = SnapshotClient("too-big", 0, 1, "head", keepers)
+    res = big.snapshot({"w": torch.zeros(5 * 2**20)}, step=1, generation=0).result(timeout=60)
+    big.close()
+    assert not res.ok and set(res.errors) == {"head", "b"}, res
+    for err in res.errors.values():
+        assert "KeeperMemoryFull" in err and "too-big" in err and "16 MiB limit" in err, err
+        assert "checkpoint.keeper_memory_limit_mb" in err and "in_memory_every" in err, err
+    assert all(r["refused"] >= 1 and r["used_bytes"] == 0 for r in memory_reports(keepers).values())
+
+    # Fencing: after fence(3), generation 2's shards are refused, generation 3's kept and committed.
+    fence_job(keepers, "fenced", 3)
+    cl = SnapshotClient("fenced", 0, 1, "b", keepers)
+    stale = cl.snapshot({"w": torch.ones(10)}, step=7, generation=2).result(timeout=60)
+    assert not stale.ok and all("StaleGeneration" in e for e in stale.errors.values()), stale
+    fresh = cl.snapshot({"w": torch.ones(10)}, step=7, generation=3).result(timeout=60)
+    assert fresh.ok and fresh.acked == ["b", "head"], fresh
+    assert not commit_snapshot(keepers, "fenced", 2, 7, 1)  # nothing of generation 2 is held
+    assert commit_snapshot(keepers, "fenced", 3, 7, 1)
+    assert latest_committed(keepers, "fenced") == 7
+    cl.close()
+
+    # drop_job frees everything the job held.
+    reports = memory_reports(keepers)
+    assert all(r["used_bytes"] > 0 and "fenced" in r["jobs"] for r in reports.values()), reports
+    assert drop_job(keepers, "fenced") > 0
+    reports = memory_reports(keepers)
+    assert all(r["used_bytes"] == 0 and r["jobs"] == {} for r in reports.values()), reports
+
+
+@pytest.mark.timeout(900)
+def test_keepers_snapshot_reshard_node_loss_fallback(tmp_path: Path) -> None:
+    ckpt_uri = f"file://{tmp_path / 'ckpt'}"
+    # Ray's default health checks: the fast ones mark a node dead when ~8 engineers load 2 cores.
+    with LocalCluster(head_cpus=2, fast_failure_detection=False) as cluster:
+        cluster.add_node("b", num_cpus=2)
+        cluster.connect()
+        keepers = ensure_keepers(["head", "b"], memory_limit_mb=LIMIT_MB)
+        actor_cls = ray.remote(RankActor)
+        actors = [
+            actor_cls.options(num_cpus=0, resources={f"unbroken_node_{n}": 0.001}, max_concurrency=2).remote(
+                str(tmp_path)
+            )
+            for n in ("head", "head", "b", "b")
+        ]
+        try:
+            assert ray.get([a.node.remote() for a in actors]) == ["head", "head", "b", "b"]
+            _keepers_alone(keepers)
+
+            # ---- world 4: train, snapshot steps 1-3, commit them in order.
+            port = free_port()
+            outs = ray.get(
+                [a.save_phase.remote(r, 4, port, JOB, keepers, ckpt_uri, 3) for r, a in enumerate(actors)]
+            )
+            losses = outs[0]["losses"]
+            for r, out in enumerate(outs):
+                for res in out["results"]:
+                    assert res["ok"] and res["errors"] == {}, res
+                    # own node first, then the other one
+                    assert res["acked"] == (["head", "b"] if r < 2 else ["b", "head"]), res
+            assert not commit_snapshot(keepers, JOB, 0, 4, 4)  # never sent: not committed
+            for step in (1, 2, 3):
+                assert commit_snapshot(keepers, JOB, 0, step, 4)
+            assert latest_committed(keepers, JOB) == 3
+            for node, rep in memory_reports(keepers).items():
+                job = rep["jobs"][JOB]
+                # retention: the last two committed snapshots, every rank's shard on each keeper
+                assert job["committed"] == [(0, 2), (0, 3)], (node, job)
+                assert job["shards"] == [(0, s, r) for s in (2, 3) for r in range(4)], (node, job)
+                assert 0 < rep["used_bytes"] <= rep["limit_bytes"]
+
+            # ---- restore at world 2 and 3 (resharding), from both copies.
+            for world in (2, 3):
+                port = free_port()
+                outs = ray.get([
+                    actors[r].restore_phase.remote(r, world, port, JOB, keepers, ckpt_uri, losses, False)
+                    for r in range(world)
+                ])  # fmt: skip
+                info = outs[0]["info"]
+                assert info["source"] == "keepers" and info["step"] == 3 and info["world_size"] == 4, info
+                assert outs[0]["entries"] > 50 and outs[0]["loss_diff"] <= 1e-5
+                # every snapshot rank was read by some new rank, each from its own node's keeper
+                used = {}
+                for r, out in enumerate(outs):
+                    for old, node in out["info"]["copies_used"].items():
+                        assert node == ("head" if r < 2 else "b"), (r, out["info"])
+                        used[int(old)] = node
+                assert sorted(used) == [0, 1, 2, 3], used
+
+            # ---- node b lost: its ranks and its keeper die; restore from keeper-head alone.
+            cluster.kill_node("b")
+            port = free_port()
+            outs = ray.get([
+                actors[r].restore_phase.remote(r, 2, port, JOB, keepers, ckpt_uri, losses, False) for r in range(2)
+            ])  # fmt: skip
+            for out in outs:
+                info = out["info"]
+                assert info["source"] == "keepers" and info["step"] == 3, info
+                assert "b" in info["unreachable_keepers"], info
+                assert set(info["copies_used"].values()) == {"head"}, info
+                assert info["single_copy_ranks"] == [0, 1, 2, 3], info
+
+            # ---- keeper-head lost too: both copies gone -> SnapshotLost -> persistent step 2.
+            ray.kill(keepers["head"], no_restart=True)
+            port = free_port()
+            outs = ray.get([
+                actors[r].restore_phase.remote(r, 2, port, JOB, keepers, ckpt_uri, losses, True) for r in range(2)
+            ])  # fmt: skip
+            for out in outs:
+                info = out["info"]
+                assert "no committed in-memory snapshot" in out["lost"], out
+                assert info["source"] == "persistent" and info["step"] == 2, info
+                assert info["fallback_reason"] and info["uri"].startswith("file://"), info
+            assert outs[0]["loss_diff"] <= 1e-5
+        finally:
+            for a in actors:
+                ray.kill(a, no_restart=True)
+            kill_keepers(keepers)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
+            if not names & {keeper_name("head"), keeper_name("b")}:
+                break
+            time.sleep(0.5)
+        assert not names & {keeper_name("head"), keeper_name("b")}, names

@@ -70,6 +70,12 @@ def apply_expert_fsdp(
     for moe in moe_modules(model):
         fully_shard(moe.experts, **kwargs)
         moe.experts.set_gradient_divide_factor(float(fsdp_size))
+        shard_size = expert_fsdp_mesh.size(expert_fsdp_mesh.ndim - 1)
+        if getattr(expert_fsdp_mesh, "device_type", "cpu") != "cuda" and shard_size > 1:
+            # A custom factor uses NCCL's PreMulSum; gloo has none: sum, then divide. (Not with a
+            # 1-rank shard group: torch 2.13 then skips the reduce-scatter, divides, and would
+            # divide a second time after it.)
+            moe.experts.set_force_sum_reduction_for_comms(True)
 
 
 def expert_fsdp_mesh(dims: Any, mesh: Any) -> Any:

@@ -131,13 +131,9 @@ def slot_views(buf: torch.Tensor, layout: ShardLayout) -> list[torch.Tensor]:
 
 
 def pack_extras(flat: dict[str, Any], layout: ShardLayout) -> bytes:
-    """The non-tensor values, torch.save'd as DCP would (small)."""
-    out: dict[int, bytes] = {}
-    for i in layout.byte_items:
-        b = io.BytesIO()
-        torch.save(resolve(flat, layout.items[i]), b)
-        out[i] = b.getvalue()
-    return pickle.dumps(out)
+    """The non-tensor values, pickled together (one pickle.dumps: ~20x cheaper than a torch.save
+    per value; the reader turns each back into the torch.save bytes DCP's load planner expects)."""
+    return pickle.dumps({i: resolve(flat, layout.items[i]) for i in layout.byte_items})
 
 
 # ---------------------------------------------------------------------- load side
@@ -194,7 +190,7 @@ class KeeperReader(StorageReader):
         self,
         metadata: Metadata,
         where: dict[MetadataIndex, Location],
-        extras: dict[int, dict[int, bytes]],
+        extras: dict[int, dict[int, Any]],
         fetch_blobs: Callable[[list[int]], Any],
     ) -> None:
         super().__init__()
@@ -226,7 +222,10 @@ class KeeperReader(StorageReader):
         for req in plan.items:
             loc = self.where[req.storage_index]
             if req.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(req, io.BytesIO(self.extras[loc.rank][loc.item]))
+                value = io.BytesIO()
+                torch.save(self.extras[loc.rank][loc.item], value)
+                value.seek(0)
+                planner.load_bytes(req, value)
             else:
                 by_rank[loc.rank].append(req)
         # Blobs arrive as they are fetched (in parallel); each is dropped once its slices are copied.

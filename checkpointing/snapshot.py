@@ -133,8 +133,12 @@ class SnapshotClient:
         node_name: str,
         keepers: dict[str, ActorHandle],
         *,
+        optimizer: torch.optim.Optimizer | None = None,
         timeout_s: float = 120.0,
     ) -> None:
+        """With `optimizer`, the host copy overlaps the next step's forward/backward (parameters and
+        optimizer state change only in optimizer.step(), whose pre-hook waits for the copy); without
+        it, snapshot() copies before returning."""
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} world_size={world_size}: need 0 <= rank < world_size")
         if not job_id:
@@ -157,6 +161,13 @@ class SnapshotClient:
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"snapshot-r{rank}")
         self._stream: Any = None
         self.last_result: SnapshotResult | None = None
+        self._copier: ThreadPoolExecutor | None = None
+        self._pending_copy: Future[None] | Any = None  # a Future (CPU) or a torch.cuda.Event
+        self._hook: Any = None
+        self.copy_wait_s = 0.0  # total time optimizer steps waited for snapshot copies
+        if optimizer is not None:
+            self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"snapshot-copy-r{rank}")
+            self._hook = optimizer.register_step_pre_hook(lambda *_: self.wait_copies())
 
     def set_keepers(self, keepers: dict[str, ActorHandle]) -> None:
         """Use another keeper set (after a node was lost or added); later snapshots go there."""
@@ -177,34 +188,51 @@ class SnapshotClient:
             b.views = slot_views(b.data, self._layout)
         return self._layout
 
+    def wait_copies(self) -> None:
+        """Make what follows wait for the snapshot copy in flight (CPU: the host waits; CUDA: the
+        current stream waits on the GPU). The optimizer's step pre-hook calls this; call it yourself
+        before changing the state any other way (e.g. load_state_dict)."""
+        pending, self._pending_copy = self._pending_copy, None
+        if pending is None:
+            return
+        if isinstance(pending, Future):
+            t0 = time.perf_counter()
+            pending.exception()  # a failed copy is reported by the sender, never raised here
+            self.copy_wait_s += time.perf_counter() - t0
+        else:
+            torch.cuda.current_stream().wait_event(pending)
+
     @torch.no_grad()
     def snapshot(self, state: dict[str, Any], step: int, generation: int) -> SnapshotHandle:
         """Copy this rank's shard of `state` to host memory and send it in the background.
 
-        Call after the optimizer step; blocks only for the local copy (and, if the two previous
-        snapshots are both still being put into the object store, until one of them is).
+        Call after the optimizer step. Blocks for the local copy, or (with `optimizer`) only to
+        start it; and, if both host buffers are still being put into the object store, until one is.
         """
         t0 = time.perf_counter()
+        self.wait_copies()  # at most one copy in flight
         flat, _ = flatten(state)
         layout = self._ensure_layout(state, flat)
         buf = self._buffers[self._next]
         self._next = (self._next + 1) % len(self._buffers)
         buf.free.wait()
         buf.free.clear()
+        copied: Future[None] | None = None
         try:
             sources = [resolve(flat, layout.items[s.item]) for s in layout.slots]
-            on_cuda = any(t.device.type == "cuda" for t in sources)
-            if on_cuda:
-                self._copy_cuda(sources, buf)
-            else:
-                for dst, src in zip(buf.views, sources, strict=True):
-                    dst.copy_(src)
             extras = pack_extras(flat, layout)
+            if any(t.device.type == "cuda" for t in sources):
+                self._copy_cuda(sources, buf)
+            elif self._copier is not None:
+                copied = self._copier.submit(_copy_all, buf.views, sources)
+                self._pending_copy = copied
+            else:
+                _copy_all(buf.views, sources)
         except BaseException:
             buf.free.set()
             raise
         blocking = time.perf_counter() - t0
-        fut = self._sender.submit(self._send, buf, extras, int(step), int(generation), blocking)
+        fut = self._sender.submit(self._send, buf, extras, int(step), int(generation), blocking, copied)
         return SnapshotHandle(int(step), int(generation), fut, blocking)
 
     def _copy_cuda(self, sources: list[torch.Tensor], buf: _HostBuffer) -> None:
@@ -218,16 +246,21 @@ class SnapshotClient:
         buf.event = torch.cuda.Event()
         buf.event.record(self._stream)
         # Later kernels (the next optimizer step) must not overwrite what is still being copied;
-        # the wait is on the GPU, the host goes on.
-        current.wait_event(buf.event)
+        # the wait is on the GPU, the host goes on. With the optimizer hook, only its step waits.
+        self._pending_copy = buf.event
+        if self._hook is None:
+            self.wait_copies()
 
     # ------------------------------------------------------------------ the background part
     def _send(
-        self, buf: _HostBuffer, extras: bytes, step: int, generation: int, blocking: float
-    ) -> SnapshotResult:
+        self, buf: _HostBuffer, extras: bytes, step: int, generation: int, blocking: float,
+        copied: Future[None] | None,
+    ) -> SnapshotResult:  # fmt: skip
         t0 = time.perf_counter()
         res = SnapshotResult(step, generation, self.rank, ok=False, blocking_s=blocking)
         try:
+            if copied is not None:
+                copied.result()
             if buf.event is not None:
                 buf.event.synchronize()
             ref = ray.put(buf.data.numpy())  # one copy into the object store, shared by both keepers
@@ -259,8 +292,22 @@ class SnapshotClient:
         return res
 
     def close(self) -> None:
-        """Wait for the snapshots in flight and stop the sender thread."""
+        """Wait for the snapshots in flight, stop the threads, remove the optimizer hook."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        pending, self._pending_copy = self._pending_copy, None
+        if isinstance(pending, Future):
+            pending.exception()
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
         self._sender.shutdown(wait=True)
+
+
+def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for dst, src in zip(dsts, srcs, strict=True):
+            dst.copy_(src)
 
 
 def _short(e: BaseException) -> str:

@@ -77,7 +77,7 @@ class RankActor:
 
         self._join(rank, world, port)
         trainer = Trainer(engine_cfg(0), device=torch.device("cpu"))
-        client = SnapshotClient(job_id, rank, world, self.node(), keepers)
+        client = SnapshotClient(job_id, rank, world, self.node(), keepers, optimizer=trainer.optimizer)
         mgr = CheckpointManager(
             CheckpointConfig(uri=ckpt_uri, keep_last=2), "unused", rank=rank, world_size=world
         )

@@ -93,3 +93,4 @@ def bench_layouts(ctx: Any, payload: dict[str, Any]) -> dict[str, Any]:
         if result is not None:
             out[lay["name"]] = result
     return out
+

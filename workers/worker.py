@@ -1,0 +1,399 @@
+"""The Ray actor that runs one rank of a job, generation after generation, in one process.
+
+The supervisor creates it (`job-<id>/worker-<n>`, namespace unbroken, threaded so control calls
+run while training blocks) and drives it:
+
+    port = w.open_store(generation, world)       # on the generation's rank 0 only
+    w.run(generation, rank, world, host, port, dp, ...)   # blocks until finished, paused or failed
+
+`run` joins the group, builds a Trainer for the world size it is given (a new Trainer object in
+the same process: no re-import, no restart), loads the last committed state when told to, and
+trains, pushing a heartbeat (generation, step, loss, timings) to the supervisor after every
+step and from a side thread at least every `heartbeat_interval_s`. On any error it leaves the
+group at once (so peers blocked in a collective with it fail fast too) and returns the error;
+the worker then waits, alive and idle, for the next generation.
+
+State tiers: the in-memory snapshot tier (keepers) when `checkpointing.snapshot` is available,
+else snapshots through the persistent tier in a scratch root of the job; and persistent
+checkpoints every `persist_every` steps. A restore takes the newest committed state of either.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+import socket
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+
+log = logging.getLogger("unbroken.worker")
+
+NODE_RESOURCE_PREFIX = "unbroken_node_"  # as service.local_cluster names nodes
+
+
+@dataclass
+class WorkerOptions:
+    """What a worker needs of the job spec beyond the engine config (plain data: no service import)."""
+
+    job_id: str
+    output_dir: str
+    heartbeat_interval_s: float = 1.0
+    collective_timeout_s: float = 30.0
+    chaos: list[dict[str, Any]] = field(default_factory=list)
+    device: str = "auto"
+    snapshot_root: str | None = None  # scratch root for snapshots through the persistent tier
+    replica: int = 0  # the supervisor's data-parallel replica this worker belongs to
+    local: int = 0  # its place in the replica's tp x pp x cp group
+
+
+def _node_name() -> str | None:
+    node_id = ray.get_runtime_context().get_node_id()
+    for n in ray.nodes():
+        if n["NodeID"] == node_id:
+            for key in n.get("Resources", {}):
+                if key.startswith(NODE_RESOURCE_PREFIX):
+                    return key[len(NODE_RESOURCE_PREFIX) :]
+    return None
+
+
+class Worker:
+    def __init__(self, name: str, engine_json: str, ckpt_json: str, options: dict[str, Any], supervisor: Any) -> None:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        import torch
+
+        from checkpointing.config import CheckpointConfig
+        from parallel.config import EngineConfig
+
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        # Import the engine now, while the worker is starting, not inside the first generation.
+        import checkpointing.persistent  # noqa: F401
+        import parallel.trainer  # noqa: F401
+        self.name = name
+        self.cfg = EngineConfig.model_validate_json(engine_json)
+        self.ckpt_cfg = CheckpointConfig.model_validate_json(ckpt_json)
+        self.opts = WorkerOptions(**options)
+        self.supervisor = supervisor
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.node_name = _node_name()
+        self.pid = os.getpid()
+        self.host = "127.0.0.1" if os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") == "0" else (
+            ray.util.get_node_ip_address()
+        )
+        self._lock = threading.Lock()
+        self._master_store: Any = None
+        self._abort_gen = -1  # generations up to this one must stop
+        self._stop_at: tuple[int, int] | None = None  # (generation, step): pause after that step
+        self.generation = -1
+        self.rank = -1
+        self.phase = "idle"
+        self.step = 0
+        self._last: dict[str, Any] = {}
+        self.max_step_time_s: float | None = None
+        from workers.chaos import Chaos
+
+        self.chaos = Chaos(self.opts.chaos, is_head_node=lambda: self.node_name == "head", on_fire=self._fired)
+        self._hb_stop = threading.Event()
+        threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
+
+    # --- control calls (run in other actor threads while `run` blocks) ------------------------
+    def info(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "pid": self.pid, "node_id": self.node_id, "node_name": self.node_name,
+            "host": self.host, "hostname": socket.gethostname(), "generation": self.generation,
+            "rank": self.rank, "phase": self.phase, "step": self.step,
+            "replica": self.opts.replica, "local": self.opts.local,
+        }
+
+    def open_store(self, generation: int, world_size: int, timeout_s: float) -> int:
+        """As the coming generation's rank 0: host its TCPStore on a fresh port; returns the port."""
+        from workers.group import open_master_store
+
+        with self._lock:
+            self._master_store = open_master_store(self.host, world_size, timeout_s)
+            return int(self._master_store.port)
+
+    def abort(self, generation: int) -> None:
+        """Stop training in every generation up to `generation` at the next step boundary."""
+        self._abort_gen = max(self._abort_gen, generation)
+
+    def pause_at(self, generation: int, step: int) -> None:
+        """Finish step `step` (and its snapshot), then return from `run` with status 'paused'."""
+        self._stop_at = (generation, step)
+
+    def shutdown(self) -> None:
+        self._hb_stop.set()
+        from workers.group import leave_group
+
+        leave_group()
+
+    # --- heartbeats ---------------------------------------------------------------------------
+    def _beat(self, extra: dict[str, Any] | None = None) -> None:
+        msg = {
+            "type": "heartbeat", "worker": self.name, "generation": self.generation, "rank": self.rank,
+            "phase": self.phase, "step": self.step, "time": time.time(), "pid": self.pid, **self._last,
+        }
+        if extra:
+            msg.update(extra)
+        with contextlib.suppress(Exception):  # fire and forget: a missing supervisor must not stop training
+            self.supervisor.report.remote(msg)
+
+    def _heartbeat_loop(self) -> None:
+        while not self._hb_stop.wait(self.opts.heartbeat_interval_s):
+            self._beat()
+
+    def _fired(self, fault: Any) -> None:
+        with contextlib.suppress(Exception):
+            self.supervisor.report.remote({
+                "type": "fault", "worker": self.name, "generation": self.generation, "rank": self.rank,
+                "kind": fault.kind, "step": self.step, "time": time.time(),
+            })
+        time.sleep(0.05)  # let the note leave before the process may vanish
+
+    # --- the run --------------------------------------------------------------------------------
+    def run(
+        self,
+        generation: int,
+        rank: int,
+        world_size: int,
+        host: str,
+        port: int,
+        dp: int,
+        *,
+        restore: bool,
+        timeout_s: float,
+    ) -> dict[str, Any]:
+        """Join generation `generation` as `rank`, restore, train to the end (or a pause, or an error)."""
+        import torch
+
+        from workers.group import join_group, leave_group, sever_new_connections, socket_fds
+
+        sockets_before = socket_fds()  # what is not in here when we fail belongs to the group
+        self.generation, self.rank = generation, rank
+        self._last = {}
+        self.phase = "forming"
+        timings: dict[str, float] = {}
+        trainer = None
+        tiers: _Tiers | None = None
+        try:
+            device = self._device(rank)
+            master = self._master_store if rank == 0 else None
+            info = join_group(generation, rank, world_size, host, port, device=device, timeout_s=timeout_s,
+                              master_store=master)
+            timings["join_s"] = info.join_s
+            t0 = time.perf_counter()
+            from parallel.trainer import Trainer
+
+            cfg = engine_for_dp(self.cfg, dp)
+            trainer = Trainer(cfg, device=device)
+            timings["build_s"] = time.perf_counter() - t0
+            tiers = _Tiers(self, rank, world_size, timeout_s)
+            restored: dict[str, Any] = {"step": 0, "source": "fresh"}
+            if restore:
+                t0 = time.perf_counter()
+                restored = tiers.restore(trainer)
+                timings["restore_s"] = time.perf_counter() - t0
+            self.step = trainer.step
+            self.phase = "training"
+            with contextlib.suppress(Exception):
+                self.supervisor.report.remote({
+                    "type": "formed", "worker": self.name, "generation": generation, "rank": rank,
+                    "step": trainer.step, "restored": restored, "timings": timings, "time": time.time(),
+                })
+            result = self._train(trainer, tiers, generation, rank, world_size)
+        except BaseException as e:  # noqa: BLE001 - reported to the supervisor, the process lives on
+            if isinstance(e, KeyboardInterrupt | SystemExit):
+                raise
+            result = {
+                "status": "error", "worker": self.name, "generation": generation, "rank": rank,
+                "step": trainer.step if trainer is not None else self.step, "error": f"{type(e).__name__}: {e}"[:4000],
+                "collective": _is_collective_error(e), "traceback": traceback.format_exc()[-4000:],
+                "time": time.time(),
+            }
+        finally:
+            with self._lock:
+                self._master_store = None
+        # Out of the except block (its traceback holds the frames that hold the trainer): drop every
+        # reference to the group's objects, so destroying it really closes its sockets and peers
+        # blocked on this rank see the error now, not at their timeout.
+        ok = result["status"] in ("finished", "paused")
+        if not ok:
+            sever_new_connections(sockets_before)
+        if tiers is not None:
+            tiers.close() if ok else tiers.abandon()
+        trainer = tiers = None
+        gc.collect()
+        leave_group()
+        self.phase = "finished" if result["status"] == "finished" else "idle"
+        if device_is_cuda():
+            torch.cuda.empty_cache()
+        return result
+
+    def _train(self, trainer: Any, tiers: _Tiers, generation: int, rank: int, world_size: int) -> dict[str, Any]:
+        from workers.metrics_log import metrics_line
+
+        steps = self.cfg.training.steps
+        while trainer.step < steps:
+            if self._abort_gen >= generation:
+                return {"status": "aborted", "worker": self.name, "generation": generation, "rank": rank,
+                        "step": trainer.step}
+            t_prev = time.time()
+            self.chaos.before_step(trainer.step, rank, generation)
+            entered = time.time()
+            m = trainer.train_step()
+            self.step = trainer.step
+            self.max_step_time_s = max(self.max_step_time_s or 0.0, m.step_time_s)
+            snap = tiers.after_step(trainer, generation)
+            self._last = {"gap_s": entered - t_prev, "step_time_s": m.step_time_s, "loss": m.loss}
+            extra: dict[str, Any] = {"snapshot": snap}
+            if rank == 0:
+                extra["metrics"] = metrics_line(m, generation=generation)
+            self._beat(extra)
+            stop = self._stop_at
+            if stop is not None and stop[0] == generation and trainer.step >= stop[1]:
+                tiers.wait()
+                return {"status": "paused", "worker": self.name, "generation": generation, "rank": rank,
+                        "step": trainer.step}
+        tiers.wait()
+        final = None
+        state = trainer.full_state_dict()  # a collective: every rank takes part
+        if rank == 0:
+            from workers.final_state import FINAL_DIR, save_final_state
+
+            final = str(save_final_state(state, self.cfg, Path(self.opts.output_dir) / FINAL_DIR))
+        return {"status": "finished", "worker": self.name, "generation": generation, "rank": rank,
+                "step": trainer.step, "final": final}
+
+    def _device(self, rank: int) -> Any:
+        import torch
+
+        if self.opts.device == "cpu" or not torch.cuda.is_available():
+            return torch.device("cpu")
+        ids = ray.get_gpu_ids()
+        return torch.device("cuda", 0 if ids else rank % torch.cuda.device_count())
+
+
+def device_is_cuda() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def engine_for_dp(cfg: Any, dp: int) -> Any:
+    """The engine config at data-parallel degree `dp` (tp/pp/cp/ep unchanged).
+
+    HSDP keeps its replicate degree when it divides dp; otherwise the job runs plain FSDP over dp.
+    """
+    out = cfg.model_copy(deep=True)
+    p = out.parallelism
+    if p.dp_replicate > 1 and dp % p.dp_replicate == 0:
+        p.dp_shard = dp // p.dp_replicate
+    else:
+        p.dp_replicate, p.dp_shard = 1, dp
+    return out
+
+
+def _is_collective_error(e: BaseException) -> bool:
+    text = f"{type(e).__name__}: {e}".lower()
+    return any(s in text for s in ("gloo", "nccl", "connection", "timed out", "timeout", "socket", "peer",
+                                   "distbackenderror", "store"))
+
+
+def _side_group(timeout_s: float) -> Any:
+    """A gloo group of its own for a checkpoint tier, with the job's short timeout (None at world 1)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+
+class _Tiers:
+    """The snapshot tier and the persistent tier of one rank in one generation."""
+
+    def __init__(self, worker: Worker, rank: int, world_size: int, timeout_s: float) -> None:
+        from checkpointing.persistent import CheckpointManager
+
+        self.w = worker
+        self.rank, self.world = rank, world_size
+        cc = worker.ckpt_cfg
+        out = Path(worker.opts.output_dir)
+        self.persist_every = cc.persist_every
+        self.snap_every = cc.in_memory_every
+        self.persistent: Any = None
+        self.snap: Any = None
+        if self.persist_every:
+            self.persistent = CheckpointManager(cc, (out / "checkpoints").resolve().as_uri(), rank=rank,
+                                                world_size=world_size, process_group=_side_group(timeout_s))
+        if self.snap_every:
+            root = worker.opts.snapshot_root or (out / ".snapshots").resolve().as_uri()
+            scfg = cc.model_copy(update={"uri": root, "keep_last": 2})
+            self.snap = CheckpointManager(scfg, root, rank=rank, world_size=world_size,
+                                          process_group=_side_group(timeout_s))
+
+    def after_step(self, trainer: Any, generation: int) -> dict[str, Any] | None:
+        """Snapshot (committed before the next step: at most the step in flight is lost) and persist."""
+        step = trainer.step
+        layout = {"dp": trainer.dims.dp, "world_size": self.world}
+        out: dict[str, Any] | None = None
+        if self.snap is not None and step % self.snap_every == 0:
+            res = self.snap.save(trainer.state_dict(), step, generation, layout)
+            out = {"step": step, "ok": res.ok, "error": res.error, "blocking_s": res.blocking_s}
+        if self.persistent is not None and step % self.persist_every == 0:
+            handle = self.persistent.save_async(trainer.state_dict(), step, generation, layout)
+            if self.rank == 0:
+                handle.add_done_callback(self._persisted)
+        return out
+
+    def _persisted(self, res: Any) -> None:
+        with contextlib.suppress(Exception):
+            self.w.supervisor.report.remote({
+                "type": "checkpoint", "worker": self.w.name, "step": res.step, "generation": res.generation,
+                "ok": res.ok, "uri": res.uri, "error": res.error, "tier": "persistent", "time": time.time(),
+            })
+
+    def restore(self, trainer: Any) -> dict[str, Any]:
+        """Load the newest committed state of either tier into `trainer` (collective)."""
+        best: tuple[int, Any, Any, str] | None = None
+        skipped: list[str] = []
+        for mgr, source in ((self.snap, "snapshot"), (self.persistent, "persistent")):
+            if mgr is None:
+                continue
+            info = mgr.latest_valid(deep=False)
+            skipped += [f"{source} step {s}: {why}" for s, why in mgr.skipped]
+            if info is not None and (best is None or info.step > best[0]):
+                best = (info.step, mgr, info, source)
+        if best is None:
+            return {"step": 0, "source": "fresh", "skipped": skipped}
+        state = trainer.state_dict()
+        best[1].load(state, best[2])
+        trainer.load_state_dict(state)
+        return {"step": int(trainer.step), "source": best[3], "uri": best[2].uri, "skipped": skipped}
+
+    def wait(self) -> None:
+        for mgr in (self.snap, self.persistent):
+            if mgr is not None:
+                mgr.wait()
+
+    def abandon(self) -> None:
+        """After a failure: stop the upload threads without waiting on a broken group."""
+        for mgr in (self.snap, self.persistent):
+            if mgr is not None:
+                with contextlib.suppress(Exception):
+                    mgr._executor.shutdown(wait=False, cancel_futures=True)
+        self.snap = self.persistent = None
+
+    def close(self) -> None:
+        for mgr in (self.snap, self.persistent):
+            if mgr is not None:
+                with contextlib.suppress(Exception):
+                    mgr.close()

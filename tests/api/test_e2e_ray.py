@@ -87,7 +87,8 @@ def test_jobs_run_queue_cancel_restart_and_loss(ray_cluster: None, tmp_path: Pat
             assert done_a.status == "SUCCEEDED", done_a.reason
             assert done_a.progress.step == 6 and [m["step"] for m in c.metrics(a.id)][-1] == 6
             kinds = [e.kind for e in c.events(a.id, follow=False)]
-            assert kinds[:3] == ["submitted", "admitted", "supervisor_started"]
+            assert kinds[0] == "submitted" and {"admitted", "supervisor_started"} <= set(kinds)
+            assert kinds.index("admitted") < kinds.index("supervisor_started")
             done_b = c.wait(b.id, timeout=300)
             assert done_b.status == "SUCCEEDED", done_b.reason
             waits = [e.message for e in c.events(b.id, follow=False) if e.kind == "waiting"]

@@ -26,6 +26,7 @@ generation or world size), build a new CheckpointManager (after `close()` on the
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import threading
 import time
@@ -196,6 +197,12 @@ class CheckpointManager:
         optimizer state change only there. Then nothing else may modify the state's tensors in place
         before that step (or `handle.wait_staged()`); forward/backward and grad clipping only read them.
         """
+        if step < 0 or generation < 0:
+            raise ValueError(f"step={step} generation={generation}: both must be >= 0")
+        try:
+            json.dumps(layout)
+        except TypeError as e:
+            raise ValueError(f"layout must be JSON-serializable (it goes into the manifest): {e}") from None
         self.wait()  # at most one save in flight
         t0 = time.perf_counter()
         staged_evt = threading.Event()

@@ -287,6 +287,10 @@ def test_incomplete_and_fenced_checkpoints(tmp_path: Path) -> None:
     info = gen1.latest_valid()
     assert (info.step, info.generation) == (2, 1)
     assert gen1.max_generation() == 1
+    with pytest.raises(ValueError, match="JSON-serializable"):
+        gen1.save_async(state_of(model, opt, 5), 5, 1, {"mesh": object()})
+    with pytest.raises(ValueError, match=">= 0"):
+        gen1.save_async(state_of(model, opt, 5), -1, 1, {})
     gen0.close()
     gen1.close()
 

@@ -21,6 +21,7 @@ import argparse
 import io
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="small", help="model preset for the state (default: small)")
     ap.add_argument("--rounds", type=int, default=5)
-    args = ap.parse_args(argv)
+    args = ap.parse_args([] if argv is None else argv)  # main() from run_all: the defaults
     torch.set_num_threads(1)
     run = Run(args.model)
     size = nbytes(run.state())
@@ -182,4 +183,4 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main()
+    main(sys.argv[1:])

@@ -356,7 +356,8 @@ class CheckpointManager:
         """Load checkpoint `info` into `state` in place (collective).
 
         `state` must be built for the current mesh, e.g. `get_state_dict(model, optimizer)` on a
-        freshly built model and optimizer: DCP reshards from the stored layout to it.
+        freshly built model and optimizer: DCP reshards from the stored layout to it. Only the keys
+        present in `state` are loaded (its structure decides what is read).
         """
         if info.manifest is None:
             raise StorageError(

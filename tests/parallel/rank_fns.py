@@ -35,10 +35,10 @@ def parity_layouts(ctx: Any, payload: dict[str, Any]) -> dict[str, Any]:
             cfg = make_cfg(payload["base"], lay.get("parallelism"), lay.get("training"), lay.get("model"))
             trainer = Trainer(cfg, device=torch.device("cpu"))
             init = trainer.full_state_dict() if lay.get("check_init") else None
-            losses = run_steps(trainer, cfg.training.steps)
+            metrics = [trainer.train_step() for _ in range(cfg.training.steps)]
             full = trainer.full_state_dict()
-            return {"losses": losses, "weights": full if ctx.rank == 0 else None,
-                    "init": init if ctx.rank == 0 else None}
+            return {"losses": [m.loss for m in metrics], "grad_norms": [m.grad_norm for m in metrics],
+                    "weights": full if ctx.rank == 0 else None, "init": init if ctx.rank == 0 else None}
         result = ctx.in_group(lay["world"], lay["name"], body)
         if result is not None:
             out[lay["name"]] = result

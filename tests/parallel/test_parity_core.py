@@ -66,18 +66,20 @@ SEGMENTS = [(4, 3), (2, 5), (3, 7), (4, STEPS)]
 
 def reference(
     training: dict[str, Any] | None = None, model: dict[str, Any] | None = None
-) -> tuple[list[float], dict[str, torch.Tensor]]:
+) -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
+    """(losses, final weights, grad norms) of one process."""
     trainer = Trainer(make_cfg(BASE, training=training, model=model), device=torch.device("cpu"))
-    return run_steps(trainer, STEPS), trainer.full_state_dict()
+    metrics = [trainer.train_step() for _ in range(STEPS)]
+    return [m.loss for m in metrics], trainer.full_state_dict(), [m.grad_norm for m in metrics]
 
 
 @pytest.fixture(scope="module")
-def ref() -> tuple[list[float], dict[str, torch.Tensor]]:
+def ref() -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
     return reference()
 
 
 @pytest.fixture(scope="module")
-def ref_tied() -> tuple[list[float], dict[str, torch.Tensor]]:
+def ref_tied() -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
     return reference(model={"tie_embeddings": True})
 
 
@@ -99,9 +101,13 @@ def max_diff(a: list[float], b: list[float]) -> float:
 @pytest.mark.parametrize("name", [lay["name"] for lay in LAYOUTS if "bf16" not in lay["name"]])
 def test_fp32_layout_matches_single_process(name: str, runs: dict[str, Any], ref: Any, ref_tied: Any) -> None:
     tied = name.endswith("-tied")
-    ref_losses, ref_weights = ref_tied if tied else ref
+    ref_losses, ref_weights, ref_norms = ref_tied if tied else ref
     got = runs["parity"][name]
     assert max_diff(got["losses"], ref_losses) <= FP32_TOL, (got["losses"], ref_losses)
+    # The reported grad norm is the whole model's, over every shard; clipping (at 1.0) acts on
+    # some steps, so a wrong norm would also move the losses.
+    assert max(ref_norms) > 1.0
+    torch.testing.assert_close(got["grad_norms"], ref_norms, rtol=1e-5, atol=0)
     weights = got["weights"]
     assert set(weights) == set(ref_weights)
     for key, value in ref_weights.items():
@@ -142,7 +148,7 @@ def test_bf16_layout_close_to_fp32(name: str, runs: dict[str, Any], ref: Any) ->
 
 
 def test_bf16_single_process_close_to_fp32(ref: Any) -> None:
-    got, _ = reference({"dtype": "bfloat16"})
+    got = reference({"dtype": "bfloat16"})[0]
     assert max_diff(got, ref[0]) <= BF16_TOL
 
 

@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--jobs", type=int, default=10000)
     ap.add_argument("--requests", type=int, default=500)
     ap.add_argument("--threads", type=int, default=8)
-    args = ap.parse_args(argv)
+    args = ap.parse_args([] if argv is None else argv)  # main() alone: the defaults (run_all calls it so)
 
     load0 = f"{os.getloadavg()[0]:.1f}"
     home = Path(tempfile.mkdtemp(prefix="unbroken-bench-"))
@@ -177,4 +177,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -29,15 +29,15 @@ def flops_per_token_term(model: ModelConfig, seq_len: int) -> Term:
 
 def recompute_flops_per_token(model: ModelConfig, seq_len: int, ac: str) -> Term:
     """Extra FLOPs activation checkpointing spends: full AC reruns each layer's forward (2·N_layers +
-    the forward attention 4·L·H·Q·T); selective reruns the attention core only (4·L·H·Q·T)."""
+    the forward attention 4·L·H·Q·T); the engine's selective AC checkpoints every other block
+    (parallel/ac.py), so it reruns ⌈L/2⌉/L of that."""
     lyr, h, q = model.n_layers, model.n_heads, model.head_dim
-    attn_fwd = 4 * lyr * h * q * seq_len
-    if ac == "full":
-        pc = count_params(model)
-        n_layers = pc.flops_params - pc.output - (pc.embedding if pc.output == 0 else 0)
-        v = 2 * n_layers + attn_fwd
-        return Term("recompute flops/token", v, "2·N_layers + 4·L·H·Q·T",
-                    f"2 × {g(n_layers)} + 4 × {lyr} × {h} × {q} × {seq_len} = {g(v)}")
-    if ac == "selective":
-        return Term("recompute flops/token", attn_fwd, "4·L·H·Q·T", f"4 × {lyr} × {h} × {q} × {seq_len}")
-    return Term("recompute flops/token", 0.0, "0 (no activation checkpointing)", "0")
+    if ac == "none":
+        return Term("recompute flops/token", 0.0, "0 (no activation checkpointing)", "0")
+    pc = count_params(model)
+    n_layers = pc.flops_params - pc.output - (pc.embedding if pc.output == 0 else 0)
+    full = 2 * n_layers + 4 * lyr * h * q * seq_len
+    share = 1.0 if ac == "full" else ((lyr + 1) // 2) / lyr
+    v = full * share
+    return Term("recompute flops/token", v, "(2·N_layers + 4·L·H·Q·T) × checkpointed share",
+                f"(2 × {g(n_layers)} + 4 × {lyr} × {h} × {q} × {seq_len}) × {share:g} = {g(v)}")

@@ -11,8 +11,12 @@ ranks of a node, each rank starts at the `framework_bytes` a Python process with
 gloo process group already holds (peak RSS of a `tiny` run, whose model is negligible), the
 memory measured is peak RSS, which also counts pages glibc malloc keeps after the forward's
 temporaries are freed (`transient_slack` on the forward/backward peak), and ranks beyond the core
-count share cores. gloo over loopback between 2 ranks (50 MiB per rank): all-reduce ~850 MiB/s,
-all-gather ~40 MiB/s, reduce-scatter ~70 MiB/s, all-to-all ~200 MiB/s (per-rank volume).
+count share cores. gloo over loopback between 2 ranks, at the 1-24 MiB of a per-block
+collective (per-rank volume): all-reduce ~1.2 GiB/s; all-gather and reduce-scatter ~0.3-0.5 GiB/s
+at best but 40-120 MiB/s typical (FSDP's per-block all-gathers of 3 MiB took 40-80 ms in a
+profiled `small` step), so 0.1x all-reduce's rate is used; a small collective takes 0.15 ms
+median but ~1 ms mean on the shared machine (ranks wait to be scheduled), the latency used.
+Timings on this machine swing by 2x with the load of other processes.
 """
 
 from __future__ import annotations
@@ -78,9 +82,9 @@ HARDWARE: dict[str, Hardware] = {
     "cpu": Hardware(
         name="cpu", devices_per_node=2, mem_bytes=None,
         peak_flops={"bfloat16": 25e9, "float32": 100e9},
-        intra_bw=0.85 * GiB, inter_bw=0.5 * GB, mem_bw=10 * GB, host_mem_bytes=24 * GiB,
-        collective_efficiency={"all_gather": 0.05, "reduce_scatter": 0.08, "all_to_all": 0.25},
-        intra_latency_s=150e-6, inter_latency_s=300e-6, mfu=0.35,
+        intra_bw=1.2 * GiB, inter_bw=0.5 * GB, mem_bw=10 * GB, host_mem_bytes=24 * GiB,
+        collective_efficiency={"all_gather": 0.1, "reduce_scatter": 0.1, "all_to_all": 0.25},
+        intra_latency_s=1e-3, inter_latency_s=2e-3, mfu=0.35,
         framework_bytes=340 * 2**20, usable_fraction=0.9, cores_per_node=2, layer_overhead_s=1.5e-3,
         transient_slack=1.25, overlap_scale=0.0,
         notes="this project's test machine: 2 cores, 24 GiB shared by the ranks, gloo over loopback",

@@ -171,18 +171,26 @@ def _rank_key(c: Candidate) -> tuple[float, int, float]:
     return (-bucket, simplicity, c.memory.peak)
 
 
-def fixed_dims(parallel: ParallelConfig, explore: bool) -> dict[str, int]:
+def fixed_dims(parallel: ParallelConfig, explore: bool, allowed: Iterable[str] | None = None) -> dict[str, int]:
     """Dims the search must keep. auto: those the spec sets explicitly (dp_shard=-1 counts as open);
-    concrete: all of them unless exploring (dp_shard=-1 stays open)."""
+    concrete: all of them unless exploring (dp_shard=-1 stays open). Dims outside `allowed` (and
+    not set by the spec) are pinned to 1, e.g. to what a given engine build can run."""
     if parallel.auto:
         given = parallel.model_fields_set
     elif explore:
-        return {}
+        given = set()
     else:
         given = set(SEARCH_DIMS)
     out = {d: getattr(parallel, d) for d in SEARCH_DIMS if d in given}
     if out.get("dp_shard") == -1:
         del out["dp_shard"]
+    if allowed is not None:
+        bad = set(allowed) - set(SEARCH_DIMS)
+        if bad:
+            raise ValueError(f"unknown dims {sorted(bad)}; allowed dims are among {SEARCH_DIMS}")
+        for d in SEARCH_DIMS:
+            if d not in allowed and d not in out:
+                out[d] = 1
     return out
 
 
@@ -230,10 +238,11 @@ def _as_engine(spec: Any) -> EngineConfig:
     raise TypeError(f"plan() takes an EngineConfig/JobSpec or a mapping, got {type(spec).__name__}")
 
 
-def plan(spec: EngineConfig | Mapping[str, Any], cluster: Cluster) -> PlanResult:
+def plan(spec: EngineConfig | Mapping[str, Any], cluster: Cluster, *,
+         allowed_dims: Iterable[str] | None = None) -> PlanResult:
     cfg = _as_engine(spec)
     model, train, parallel = cfg.model, cfg.training, cfg.parallelism
-    result = search(model, train, parallel, cluster, fixed_dims(parallel, explore=True))
+    result = search(model, train, parallel, cluster, fixed_dims(parallel, explore=True, allowed=allowed_dims))
     if not parallel.auto:
         layout, reasons = layout_from_config(parallel, cluster.world)
         if layout is None:
@@ -243,20 +252,22 @@ def plan(spec: EngineConfig | Mapping[str, Any], cluster: Cluster) -> PlanResult
     return result
 
 
-def choose_layout(model: ModelConfig, train: TrainConfig, parallel: ParallelConfig,
-                  cluster: Cluster) -> ParallelConfig:
-    """Fill the open dims with the fastest fitting layout; raises PlanError naming why none fits."""
-    result = search(model, train, parallel, cluster, fixed_dims(parallel, explore=False))
+def choose_layout(model: ModelConfig, train: TrainConfig, parallel: ParallelConfig, cluster: Cluster, *,
+                  allowed_dims: Iterable[str] | None = None) -> ParallelConfig:
+    """Fill the open dims with the fastest fitting layout; raises PlanError naming why none fits.
+    allowed_dims: the dims the search may set above 1 (default all of SEARCH_DIMS)."""
+    result = search(model, train, parallel, cluster, fixed_dims(parallel, explore=False, allowed=allowed_dims))
     if result.best is None:
         raise PlanError(result.reasons() or [f"no layout fits {cluster.describe()}"])
     return result.best.layout.to_parallel_config(parallel)
 
 
-def check_fits(model: ModelConfig, train: TrainConfig, parallel: ParallelConfig, cluster: Cluster) -> list[str]:
+def check_fits(model: ModelConfig, train: TrainConfig, parallel: ParallelConfig, cluster: Cluster, *,
+               allowed_dims: Iterable[str] | None = None) -> list[str]:
     """Reasons this layout cannot run on `cluster` (empty when it fits). auto: whether any layout fits."""
     if parallel.auto:
         try:
-            choose_layout(model, train, parallel, cluster)
+            choose_layout(model, train, parallel, cluster, allowed_dims=allowed_dims)
         except PlanError as e:
             return e.reasons
         return []

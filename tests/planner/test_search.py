@@ -195,3 +195,13 @@ def test_to_parallel_config_round_trips() -> None:
     base = ParallelConfig(auto=True, zero_stage=2)
     pc = Layout(dp_shard=2, tp=2, pp=2, pp_microbatches=4, zero_stage=2).to_parallel_config(base)
     assert (pc.auto, pc.dp_shard, pc.tp, pc.pp, pc.pp_microbatches, pc.zero_stage) == (False, 2, 2, 2, 4, 2)
+
+
+def test_allowed_dims_limit_the_search() -> None:
+    job = cfg("llama3-8b", "auto", seq_len=8192, activation_checkpointing="full")
+    cluster = make_cluster(16, "h100")
+    chosen = choose_layout(job.model, job.training, job.parallelism, cluster,
+                           allowed_dims=("dp_replicate", "dp_shard", "tp"))
+    assert (chosen.pp, chosen.cp, chosen.ep) == (1, 1, 1)
+    out = plan_from_spec(job, 16, "h100", allowed_dims=("dp_shard",))
+    assert out["ok"] and all(c["parallelism"]["tp"] == 1 for c in out["candidates"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -163,6 +164,7 @@ def main(argv: list[str] | None = None) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        shutil.rmtree(home, ignore_errors=True)
 
     print(f"\nAPI latency with {args.jobs} stored jobs (SQLite, HTTP to a local `unbroken serve --no-ray`)")
     print(f"load average before/after: {load0} / {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs "

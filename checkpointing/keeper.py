@@ -260,6 +260,23 @@ def ensure_keepers(
     return handles
 
 
+def current_node_name() -> str | None:
+    """The `unbroken_node_<name>` of the node this process runs on (inside a Ray task or actor)."""
+    node_id = ray.get_runtime_context().get_node_id()
+    for n in ray.nodes():
+        if n["NodeID"] == node_id:
+            for key in n.get("Resources", {}):
+                if key.startswith(NODE_RESOURCE_PREFIX):
+                    return str(key[len(NODE_RESOURCE_PREFIX) :])
+    return None
+
+
+def alive_keepers(keepers: dict[str, ActorHandle], timeout_s: float = 5.0) -> dict[str, ActorHandle]:
+    """The keepers that answer a ping within timeout_s (drop the others before snapshotting)."""
+    results, _errors = _call_all(keepers, "ping", timeout_s=timeout_s)
+    return {node: keepers[node] for node in results}
+
+
 def kill_keepers(keepers: dict[str, ActorHandle]) -> None:
     """ray.kill every keeper (their memory is gone): for tests and cluster teardown."""
     for h in keepers.values():
@@ -279,7 +296,7 @@ def _call_all(
     ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
     for node, ref in refs.items():
         try:
-            results[node] = ray.get(ref, timeout=0.001 if timeout_s else None)
+            results[node] = ray.get(ref, timeout=0.001)  # ready ones return at once; late ones fail
         except Exception as e:  # noqa: BLE001 - a dead or hung keeper is reported, not raised
             errors[node] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     return results, errors

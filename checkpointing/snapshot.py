@@ -23,6 +23,7 @@ plans its own shard (checkpointing.memory_storage), and resharding happens at re
 from __future__ import annotations
 
 import logging
+import pickle
 import threading
 import time
 import warnings
@@ -327,7 +328,8 @@ class RestoreInfo:
     step: int
     generation: int | None
     world_size: int | None  # the world size the snapshot/checkpoint was taken at
-    copies_used: dict[int, str] = field(default_factory=dict)  # snapshot rank -> keeper node read from
+    # snapshot rank -> the keeper node whose copy of that rank's tensors THIS rank read (ranks it needed)
+    copies_used: dict[int, str] = field(default_factory=dict)
     single_copy_ranks: list[int] = field(default_factory=list)  # ranks with only one live copy left
     unreachable_keepers: dict[str, str] = field(default_factory=dict)  # node -> error
     fallback_reason: str | None = None  # why the keepers were not used (persistent source)
@@ -343,21 +345,21 @@ class RestoreInfo:
         return f"restored step {self.step} from the persistent checkpoint {self.uri}; fell back because: {self.fallback_reason}"
 
 
-def _choose(committed: list[SnapshotId], step: int | None, generation: int | None, job_id: str) -> SnapshotId:
+def _candidates(
+    committed: list[SnapshotId], step: int | None, generation: int | None, job_id: str
+) -> list[SnapshotId]:
+    """The committed snapshots that match step/generation (all when None), oldest first."""
     cands = [
         c for c in committed if (step is None or c[1] == step) and (generation is None or c[0] == generation)
     ]
     if not cands:
-        what = (
-            "any step"
-            if step is None
-            else f"step {step}" + (f" generation {generation}" if generation is not None else "")
-        )
+        what = "any step" if step is None else f"step {step}"
+        what += f" generation {generation}" if generation is not None else ""
         raise SnapshotLost(
             f"job {job_id!r}: no committed in-memory snapshot of {what} on any live keeper "
             f"(committed: {committed}); restore from the persistent checkpoint"
         )
-    return cands[-1]
+    return cands
 
 
 def _fetch_iter(
@@ -419,37 +421,53 @@ def restore_from_keepers(
     """
     t0 = time.perf_counter()
     holders, world, committed, unreachable = snapshot_holders(keepers, job_id)
-    sid = _choose(committed, step, generation, job_id)
-    held = holders.get(sid, {})
-    w = world.get(sid)
-    if w is None:
+    cands = _candidates(committed, step, generation, job_id)
+    # The newest candidate with a live copy of every rank's shard (an older committed one may be
+    # complete where the newest is not).
+    problems: list[str] = []
+    for sid in reversed(cands):
+        held = holders.get(sid, {})
+        w = world.get(sid)
+        lost = [] if w is None else [r for r in range(w) if not held.get(r)]
+        if w is not None and not lost:
+            break
+        what = "all ranks'" if w is None else f"rank(s) {lost}'s"
+        problems.append(f"step {sid[1]} (generation {sid[0]}): every copy of {what} shards is gone")
+    else:
         raise SnapshotLost(
-            f"job {job_id!r} step {sid[1]} (generation {sid[0]}) is committed but no live keeper holds any of "
-            f"its shards (unreachable: {sorted(unreachable)}); restore from the persistent checkpoint"
+            f"job {job_id!r}: no committed in-memory snapshot is complete on the live keepers ("
+            + "; ".join(problems)
+            + f"; unreachable keepers: {sorted(unreachable) or 'none'}); restore from the persistent checkpoint"
         )
-    lost = [r for r in range(w) if not held.get(r)]
-    if lost:
-        raise SnapshotLost(
-            f"job {job_id!r} step {sid[1]} (generation {sid[0]}): both copies of the shards of rank(s) {lost} "
-            f"are gone (unreachable keepers: {sorted(unreachable) or 'none'}); restore from the persistent checkpoint"
-        )
+    assert w is not None
     order = {r: sorted(held[r], key=lambda n: (n != prefer_node, n)) for r in range(w)}
     used: dict[int, str] = {}
-    # Every rank's layout (small) builds the metadata; fetched in parallel, with the same fallback.
+    # Every rank's layout (small) builds the metadata: all asked at once, the other copy on failure.
     metas: dict[int, tuple[bytes, bytes, int]] = {}
-    for r, node_list in order.items():
-        for node in node_list:
-            try:
-                metas[r] = ray.get(
-                    keepers[node].get_meta.remote(job_id, sid[0], sid[1], r), timeout=timeout_s
-                )
-                break
-            except Exception as e:  # noqa: BLE001 - try the other copy
-                log.warning("rank %d's layout from keeper-%s failed (%s)", r, node, _short(e))
-        else:
-            raise SnapshotLost(f"job {job_id!r} step {sid[1]}: every copy of rank {r}'s shard is gone")
-    import pickle
+    tries = {r: list(nodes) for r, nodes in order.items()}
+    pending: dict[Any, int] = {}
 
+    def ask_meta(r: int) -> None:
+        if not tries[r]:
+            raise SnapshotLost(
+                f"job {job_id!r} step {sid[1]} (generation {sid[0]}): every copy of rank {r}'s shard is gone "
+                f"(tried {order[r]}); restore from the persistent checkpoint"
+            )
+        node = tries[r].pop(0)
+        pending[keepers[node].get_meta.remote(job_id, sid[0], sid[1], r)] = r
+
+    for r in order:
+        ask_meta(r)
+    while pending:
+        done, _ = ray.wait(list(pending), num_returns=1, timeout=timeout_s)
+        if not done:
+            raise SnapshotLost(f"job {job_id!r}: keepers did not answer within {timeout_s:.0f}s")
+        r = pending.pop(done[0])
+        try:
+            metas[r] = ray.get(done[0])
+        except Exception as e:  # noqa: BLE001 - try the other copy
+            log.warning("rank %d's layout could not be read (%s); trying another copy", r, _short(e))
+            ask_meta(r)
     layouts = {r: ShardLayout.from_bytes(m[0]) for r, m in metas.items()}
     extras = {r: pickle.loads(m[1]) for r, m in metas.items()}
     metadata, where = build_metadata(layouts)

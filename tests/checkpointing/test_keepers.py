@@ -1,7 +1,9 @@
 """The in-memory tier on a real 2-node LocalCluster ("head" + "b"), 4 ranks as Ray actors (2 a node).
 
 One cluster, one set of actors, phases in order (one test: start-up dominates the cost):
-  keepers alone   memory limit refusal (clear error), fencing of an old generation, drop_job back to 0
+  keepers alone   memory limit refusal (clear error), fencing of an old generation, drop_job back to 0;
+                  3 throwaway keepers: restore reads a live copy of each shard, SnapshotLost naming the
+                  rank once both copies of its shard are gone
   world 4         FSDP Trainer, 12 steps; snapshots of steps 1-3 sent to two keepers each and
                   committed (retention keeps 2 and 3), step 2 also persisted to file://
   world 2, 3      fresh Trainers with other weights restore the committed step 3 (resharded): the
@@ -16,12 +18,14 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import ray
 import torch
 
 from checkpointing.keeper import (
+    Keeper,
     commit_snapshot,
     drop_job,
     ensure_keepers,
@@ -31,7 +35,7 @@ from checkpointing.keeper import (
     latest_committed,
     memory_reports,
 )
-from checkpointing.snapshot import SnapshotClient
+from checkpointing.snapshot import SnapshotClient, SnapshotLost, restore_from_keepers
 from service.local_cluster import LocalCluster, free_port
 from tests.checkpointing.keeper_ranks import RankActor
 
@@ -70,6 +74,43 @@ def _keepers_alone(keepers: dict[str, ray.actor.ActorHandle]) -> None:
     assert all(r["used_bytes"] == 0 and r["jobs"] == {} for r in reports.values()), reports
 
 
+def _partial_loss() -> None:
+    """Three throwaway keepers x, y, z (ranks 0, 1, 2 "on" them): each shard goes to its own keeper
+    and the next; restore reads each rank's shard from a live holder until both copies of one are gone."""
+    actor_cls = ray.remote(Keeper)
+    ks = {n: actor_cls.options(num_cpus=0, max_concurrency=4).remote(n, 16) for n in ("x", "y", "z")}
+    try:
+        for rank, node in enumerate(("x", "y", "z")):
+            cl = SnapshotClient("partial", rank, 3, node, ks)
+            assert cl.targets == [node, {"x": "y", "y": "z", "z": "x"}[node]]
+            res = cl.snapshot({f"r{rank}": torch.full((3, 5), float(rank))}, step=4, generation=1).result(
+                timeout=60
+            )
+            assert res.ok, res
+            cl.close()
+        assert commit_snapshot(ks, "partial", 1, 4, 3)
+
+        def restore() -> tuple[dict[str, torch.Tensor], Any]:
+            state = {f"r{r}": torch.zeros(3, 5) for r in range(3)}
+            info = restore_from_keepers(ks, "partial", state)
+            for r in range(3):
+                assert torch.equal(state[f"r{r}"], torch.full((3, 5), float(r))), state
+            return state, info
+
+        _, info = restore()
+        assert info.copies_used == {0: "x", 1: "y", 2: "x"} and info.single_copy_ranks == [], info
+        ray.kill(ks["z"])
+        _, info = restore()
+        assert info.copies_used == {0: "x", 1: "y", 2: "x"} and info.single_copy_ranks == [1, 2], info
+        assert "z" in info.unreachable_keepers
+        ray.kill(ks["y"])  # rank 1's shard was on y and z: both copies gone
+        with pytest.raises(SnapshotLost, match=r"rank\(s\) \[1\]'s shards is gone"):
+            restore()
+    finally:
+        for h in ks.values():
+            ray.kill(h)
+
+
 @pytest.mark.timeout(900)
 def test_keepers_snapshot_reshard_node_loss_fallback(tmp_path: Path) -> None:
     ckpt_uri = f"file://{tmp_path / 'ckpt'}"
@@ -88,6 +129,7 @@ def test_keepers_snapshot_reshard_node_loss_fallback(tmp_path: Path) -> None:
         try:
             assert ray.get([a.node.remote() for a in actors]) == ["head", "head", "b", "b"]
             _keepers_alone(keepers)
+            _partial_loss()
 
             # ---- world 4: train, snapshot steps 1-3, commit them in order.
             port = free_port()

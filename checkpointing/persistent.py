@@ -415,6 +415,18 @@ class CheckpointManager:
         if self.rank == 0:
             write_fence(self.store, generation, resume_step)
 
+    def abandon(self) -> None:
+        """After a failure: let go without waiting for the save in flight (its group may be broken).
+
+        Optimizer hooks are removed and queued work is cancelled; an upload already running ends on
+        its own (its collectives fail with the group). Its checkpoint has no manifest, so it never counts.
+        """
+        for h in self._hook_handles:
+            h.remove()
+        self._hook_handles.clear()
+        self._pending = None
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
     def close(self) -> None:
         """Finish the save in flight, unhook optimizers, stop the upload thread (the group stays)."""
         try:

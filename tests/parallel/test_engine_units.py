@@ -105,3 +105,34 @@ def test_trainer_refuses_bad_layouts() -> None:
     cfg.parallelism.tp = 3
     with pytest.raises(ParallelDimsError, match=r"dp_replicate\*cp\*tp\*pp=3 does not divide world_size=1"):
         Trainer(cfg, device=torch.device("cpu"))
+
+
+def test_backend_follows_the_device() -> None:
+    from parallel import dist as pdist
+
+    assert pdist.backend_for("cpu") == "gloo" and pdist.backend_for(torch.device("cuda", 0)) == "nccl"
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert pdist.default_device().type == expected
+
+
+def test_group_of_one_forms_trains_and_leaves_twice() -> None:
+    """Re-forming in the same process: a group, destroyed, then a new group on a new store port."""
+    import torch.distributed as dist
+
+    from parallel import dist as pdist
+
+    losses = []
+    for _ in range(2):
+        store = pdist.make_store("127.0.0.1", 0, 1, is_master=True)
+        pdist.init_process_group(0, 1, store, device="cpu", timeout_s=30)
+        try:
+            assert dist.get_backend() == "gloo" and pdist.world_size() == 1
+            with pytest.raises(RuntimeError, match="already initialised"):
+                pdist.init_process_group(0, 1, store, device="cpu")
+            trainer = Trainer(tiny_cfg(), device=torch.device("cpu"))
+            assert trainer.mesh is None
+            losses.append(trainer.train_step().loss)
+        finally:
+            pdist.destroy_process_group()
+        pdist.destroy_process_group()  # twice is harmless
+    assert losses[0] == losses[1]

@@ -60,8 +60,9 @@ LAYOUTS: list[dict[str, Any]] = (
         dict(name="fsdp2xtp2-tied", world=4, parallelism={"tp": 2}, model={"tie_embeddings": True}),
     ]
 )
-# dp 4 -> 2 -> 3 (padding: 8 rows over 3 ranks) -> 4, handing the state over through DCP.
-SEGMENTS = [(4, 3), (2, 5), (3, 7), (4, STEPS)]
+# dp 4 -> 2 -> 1 (a group of one: plain tensors, no FSDP) -> 3 (padding: 8 rows over 3 ranks)
+# -> 4, handing the state over through DCP.
+SEGMENTS = [(4, 3), (2, 5), (1, 6), (3, 8), (4, STEPS)]
 
 
 def reference(
@@ -153,7 +154,7 @@ def test_bf16_single_process_close_to_fp32(ref: Any) -> None:
 
 
 def test_batch_invariance_across_dp_changes(runs: dict[str, Any], ref: Any) -> None:
-    """dp 4 -> 2 -> 3 -> 4 with DCP save/load between equals the uninterrupted run."""
+    """dp 4 -> 2 -> 1 -> 3 -> 4 with DCP save/load between equals the uninterrupted run."""
     assert max_diff(runs["elastic"], ref[0]) <= FP32_TOL
     uninterrupted = runs["parity"]["fsdp4-none"]["losses"]
     assert max_diff(runs["elastic"], uninterrupted) <= FP32_TOL

@@ -32,7 +32,7 @@ class ParallelDimsError(ValueError):
     """A layout that cannot run; the message names the sizes and how to fix them."""
 
 
-@dataclass
+@dataclass(kw_only=True)  # keywords only: the sizes are easy to swap by position
 class ParallelDims:
     dp_replicate: int
     dp_shard: int

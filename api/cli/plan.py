@@ -25,6 +25,10 @@ def plan_command(
     top: int = typer.Option(10, "--top", help="candidates to list"),
     max_rejected: int = typer.Option(15, "--rejected", help="rejected layouts to list"),
     as_json: bool = typer.Option(False, "--json", help="print the plan as JSON (what POST /v1/plan returns)"),
+    activations: str = typer.Option(
+        "engine", "--activations",
+        help="activation model: engine (this engine's saved tensors) or korthikanti (sbh·34 per layer; the 5as/h scores term is dropped: fused attention keeps no scores)",
+    ),
 ) -> None:
     """Rank the layouts that fit by estimated tokens/s; show the best one's memory and each rejection's reason."""
     from rich.console import Console
@@ -48,7 +52,10 @@ def plan_command(
     except PlanError as e:
         console.print(f"[red]cannot plan:[/red] {e}")
         raise typer.Exit(2) from None
-    result = plan(spec, cluster)
+    if activations not in ("engine", "korthikanti"):
+        console.print(f"[red]--activations {activations!r}:[/red] use engine or korthikanti")
+        raise typer.Exit(2)
+    result = plan(spec, cluster, activation_model=activations)
     if as_json:
         typer.echo(json.dumps(result_to_dict(result, top=top, max_rejected=max_rejected), indent=2))
         raise typer.Exit(0 if result.ok else 1)

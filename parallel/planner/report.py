@@ -31,7 +31,7 @@ def result_to_dict(result: PlanResult, *, top: int | None = None, max_rejected: 
 
 def plan_from_spec(spec: EngineConfig, gpus: int, gpu: str = "h100", nodes: int | None = None, *,
                    top: int | None = 10, max_rejected: int | None = 50,
-                   allowed_dims: Iterable[str] | None = None) -> dict[str, Any]:
+                   allowed_dims: Iterable[str] | None = None, activation_model: str = "engine") -> dict[str, Any]:
     """Plan a job (an EngineConfig or JobSpec) on `gpus` devices of preset `gpu` over `nodes` nodes.
 
     Never raises for an impossible request: `ok` is false and `errors`/`reasons` say why."""
@@ -41,4 +41,5 @@ def plan_from_spec(spec: EngineConfig, gpus: int, gpu: str = "h100", nodes: int 
         return {"ok": False, "cluster": {"gpu": gpu, "gpus": gpus, "nodes": nodes}, "errors": e.reasons,
                 "fixed": {}, "best": None, "parallelism": None, "candidates": [], "rejected": [],
                 "requested": None, "reasons": e.reasons}
-    return result_to_dict(plan(spec, cluster, allowed_dims=allowed_dims), top=top, max_rejected=max_rejected)
+    result = plan(spec, cluster, allowed_dims=allowed_dims, activation_model=activation_model)
+    return result_to_dict(result, top=top, max_rejected=max_rejected)

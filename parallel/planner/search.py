@@ -149,12 +149,13 @@ def _stages_per_rank(base: ParallelConfig, pp: int) -> int:
     return v
 
 
-def evaluate(model: ModelConfig, train: TrainConfig, layout: Layout, cluster: Cluster) -> Candidate | Rejected:
+def evaluate(model: ModelConfig, train: TrainConfig, layout: Layout, cluster: Cluster, *,
+             activation_model: str = "engine") -> Candidate | Rejected:
     """One layout: a Candidate if it can run and fits, else Rejected with every reason."""
     reasons = structural_reasons(layout, model, train)
     if reasons:
         return Rejected(layout, layout.label(), reasons)
-    mem = estimate_memory(model, train, layout, cluster)
+    mem = estimate_memory(model, train, layout, cluster, activation_model=activation_model)
     reasons = memory_reasons(mem, layout, train)
     if reasons:
         return Rejected(layout, layout.label(), reasons, mem)
@@ -195,7 +196,7 @@ def fixed_dims(parallel: ParallelConfig, explore: bool, allowed: Iterable[str] |
 
 
 def search(model: ModelConfig, train: TrainConfig, parallel: ParallelConfig, cluster: Cluster,
-           fixed: Mapping[str, int]) -> PlanResult:
+           fixed: Mapping[str, int], *, activation_model: str = "engine") -> PlanResult:
     world = cluster.world
     errors = _request_errors(model, train, parallel, cluster, fixed)
     if errors:
@@ -203,7 +204,7 @@ def search(model: ModelConfig, train: TrainConfig, parallel: ParallelConfig, clu
     candidates: list[Candidate] = []
     rejected: list[Rejected] = []
     for layout in enumerate_layouts(model, world, cluster, parallel, fixed):
-        res = evaluate(model, train, with_microbatches(layout, train), cluster)
+        res = evaluate(model, train, with_microbatches(layout, train), cluster, activation_model=activation_model)
         (candidates if isinstance(res, Candidate) else rejected).append(res)
     candidates.sort(key=_rank_key)
     result = PlanResult(cluster, candidates, rejected, fixed=dict(fixed))
@@ -239,16 +240,19 @@ def _as_engine(spec: Any) -> EngineConfig:
 
 
 def plan(spec: EngineConfig | Mapping[str, Any], cluster: Cluster, *,
-         allowed_dims: Iterable[str] | None = None) -> PlanResult:
+         allowed_dims: Iterable[str] | None = None, activation_model: str = "engine") -> PlanResult:
+    """Every layout of the cluster, estimated. activation_model: "engine" (the tensors this engine's
+    block keeps) or "korthikanti" (the paper's GPT-layer formula)."""
     cfg = _as_engine(spec)
     model, train, parallel = cfg.model, cfg.training, cfg.parallelism
-    result = search(model, train, parallel, cluster, fixed_dims(parallel, explore=True, allowed=allowed_dims))
+    result = search(model, train, parallel, cluster, fixed_dims(parallel, explore=True, allowed=allowed_dims),
+                    activation_model=activation_model)
     if not parallel.auto:
         layout, reasons = layout_from_config(parallel, cluster.world)
         if layout is None:
             result.requested = Rejected(None, "requested", reasons)
         else:
-            result.requested = evaluate(model, train, layout, cluster)
+            result.requested = evaluate(model, train, layout, cluster, activation_model=activation_model)
     return result
 
 

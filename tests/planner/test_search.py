@@ -205,3 +205,17 @@ def test_allowed_dims_limit_the_search() -> None:
     assert (chosen.pp, chosen.cp, chosen.ep) == (1, 1, 1)
     out = plan_from_spec(job, 16, "h100", allowed_dims=("dp_shard",))
     assert out["ok"] and all(c["parallelism"]["tp"] == 1 for c in out["candidates"])
+
+
+def test_korthikanti_activation_model_is_selectable() -> None:
+    job = cfg("llama3-8b", {"dp_shard": -1}, seq_len=8192, activation_checkpointing="selective")
+    cl = make_cluster(8, "h100")
+    eng = estimate_memory(job.model, job.training, Layout(dp_shard=8), cl)
+    kor = estimate_memory(job.model, job.training, Layout(dp_shard=8), cl, activation_model="korthikanti")
+    # Llama's SwiGLU (3.5h), GQA expansion and bf16 norms keep more than the GPT layer's 34sbh.
+    assert kor.item("activations") < eng.item("activations")
+    s, h = 8192, 4096
+    kept, ckpt = 16, 16  # every other block checkpointed
+    assert kor.item("activations") == pytest.approx(kept * s * h * 34 + ckpt * s * h * 2)
+    out = plan_from_spec(job, 8, "h100", activation_model="korthikanti")
+    assert out["ok"]

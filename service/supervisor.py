@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import shutil
 import threading
 import time
 import traceback
@@ -140,6 +139,9 @@ class Supervisor:
         self._recovery: dict[str, Any] | None = None
         self._pausing: int | None = None
         self._metrics_log: Any = None
+        self.keepers: dict[str, Any] = {}
+        self._acks: dict[tuple[int, int], dict[str, Any]] = {}  # (generation, step) -> rank -> ok
+        self.committed: tuple[int, int] | None = None  # the newest committed snapshot (generation, step)
         ctx = ray.get_runtime_context()
         self.restarted = bool(ctx.was_current_actor_reconstructed)
         self._self = ctx.current_actor
@@ -163,6 +165,15 @@ class Supervisor:
                 return
             if kind == "checkpoint":
                 self._on_checkpoint(msg)
+                return
+            if kind == "snapshot":
+                if msg.get("ok"):
+                    key = (gen, int(msg["step"]))
+                    if self.committed is None or key > self.committed:
+                        self._acks.setdefault(key, {"world": int(msg["world_size"]), "ranks": set()})[
+                            "ranks"].add(int(msg["rank"]))
+                else:
+                    self._snapshot_errors = getattr(self, "_snapshot_errors", 0) + 1
                 return
             if kind != "heartbeat" or gen != self.generation or "gap_s" not in msg:
                 return  # fencing: notes of an old generation are ignored
@@ -394,7 +405,6 @@ class Supervisor:
 
     # ----------------------------------------------------------------- start and adopt
     def _start(self) -> None:
-        shutil.rmtree(self.output_dir / ".snapshots", ignore_errors=True)  # an earlier run's, never ours
         for _ in range(self.dp_max):
             self._request_replica()
         deadline = time.monotonic() + self.ft.wait_for_capacity_s
@@ -481,6 +491,52 @@ class Supervisor:
         step_times = [float(m.get("step_time_s", 0)) for _, m in self._hb.values() if "step_time_s" in m]
         return collective_timeout_s(self.ft.collective_timeout_s, max(step_times) if step_times else None)
 
+    def _ensure_keepers(self, slots: list[Slot]) -> None:
+        """A keeper on every node the job uses (kept for nodes it used before, while they live)."""
+        if not self.spec.checkpoint.in_memory_every:
+            return
+        from checkpointing.keeper import ensure_keepers
+
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        nodes = {str(s.info["node_name"]) for s in slots if s.info and s.info.get("node_name")}
+        for name in list(self.keepers):
+            if name in nodes:
+                continue
+            node_ids = [s.info.get("node_id") for r in self.replicas.values() for s in r.slots
+                        if s.info and s.info.get("node_name") == name]
+            if node_ids and not any(i in alive for i in node_ids):
+                self.keepers.pop(name)  # its node is gone, and its memory with it
+        missing = sorted(nodes - set(self.keepers))
+        if missing:
+            self.keepers.update(ensure_keepers(missing, memory_limit_mb=self.spec.checkpoint.keeper_memory_limit_mb))
+
+    def _commit_snapshots(self) -> None:
+        """Commit the newest snapshot every rank has acknowledged (the keepers check the copies)."""
+        with self._lock:
+            ready = sorted((k for k, v in self._acks.items() if len(v["ranks"]) >= v["world"]), reverse=True)
+        if not ready or not self.keepers:
+            return
+        from checkpointing.keeper import commit_snapshot
+
+        for key in ready:
+            try:
+                ok = commit_snapshot(self.keepers, self.job_id, key[0], key[1], self._acks[key]["world"])
+            except Exception as e:  # noqa: BLE001 - an uncommitted snapshot only costs steps
+                log.warning("commit of snapshot %s failed: %s", key, e)
+                ok = False
+            if ok:
+                with self._lock:
+                    self.committed = key
+                    for k in [k for k in self._acks if k <= key]:
+                        self._acks.pop(k)
+                return
+
+    def _restore_target(self) -> dict[str, Any]:
+        self._commit_snapshots()
+        if self.committed is None:
+            return {"step": None, "generation": None}
+        return {"generation": self.committed[0], "step": self.committed[1]}
+
     def _launch(self, generation: int, reps: list[Replica], *, restore: bool) -> None:
         dp = len(reps)
         world = dp * self.mp
@@ -498,6 +554,10 @@ class Supervisor:
             self._formed.clear()
             self._step_reports.clear()
         self.stragglers.reset()
+        self._ensure_keepers(slots)
+        target = self._restore_target() if restore else None
+        if generation == 0 and restore and target == {"step": None, "generation": None}:
+            target = {"step": None, "generation": None, "resume": True}  # a persistent checkpoint, if any
         timeout = self._timeout_s()
         rank0 = next(s for s in slots if s.rank == 0)
         assert rank0.info is not None
@@ -505,11 +565,12 @@ class Supervisor:
         host = rank0.info["host"]
         self._gen_started = time.monotonic()
         for s in slots:
-            s.run_ref = s.handle.run.remote(generation, s.rank, world, host, port, dp, restore=restore,
-                                            timeout_s=timeout)
-        self._event("generation", f"generation {generation}: {world} worker(s), dp={dp}",
-                    generation=generation, dp=dp, world_size=world,
-                    ranks={s.name: s.rank for s in slots})
+            s.run_ref = s.handle.run.remote(generation, s.rank, world, host, port, dp, restore=target,
+                                            timeout_s=timeout, keepers=self.keepers or None)
+        self._event("generation", f"generation {generation}: {world} worker(s), dp={dp}"
+                    + (f", restoring snapshot {target}" if target else ""),
+                    generation=generation, dp=dp, world_size=world, restore=target,
+                    ranks={s.name: s.rank for s in slots}, keepers=sorted(self.keepers))
 
     def _active_slots(self) -> list[Slot]:
         return [s for r in self.replicas.values() if r.state == "active" for s in r.slots]
@@ -544,6 +605,7 @@ class Supervisor:
             if self._cancel.is_set():
                 return "cancelled"
             self._flush_metrics()
+            self._commit_snapshots()
             self._advance()
             slots = self._active_slots()
             pending = [s for s in slots if s.result is None]
@@ -750,6 +812,8 @@ class Supervisor:
         restore_s = max((float(m.get("timings", {}).get("restore_s", 0.0)) for m in formed.values()), default=0.0)
         restored = min((int(m.get("restored", {}).get("step", 0)) for m in formed.values()), default=0)
         sources = sorted({str(m.get("restored", {}).get("source")) for m in formed.values()})
+        fallback = sorted({str(m["restored"]["fallback_reason"]) for m in formed.values()
+                           if m.get("restored", {}).get("fallback_reason")})
         detect_s = rec["t_detect"] - rec["t_fault"] if rec["t_fault"] else None
         reform_s = max(0.0, t_formed - rec["t_detect"] - restore_s)
         replay_s = max(0.0, now - t_formed)
@@ -763,8 +827,10 @@ class Supervisor:
             generation=rec["generation"], kind=rec["kind"], restored_step=restored, source=sources,
             last_step=rec["last_step"], lost_steps=max(0, rec["last_step"] - restored),
             detect_s=detect_s, reform_s=reform_s, restore_s=restore_s, replay_s=replay_s, total_s=total,
-            first_step=row["step"],
+            first_step=row["step"], fallback_reason=fallback[0] if fallback else None,
         )
+        if fallback:
+            self._event("fallback", f"restored from the persistent checkpoint: {fallback[0]}", reason=fallback[0])
 
     def _grow(self) -> None:
         self._to(JobState.RESIZING, "growing")
@@ -807,8 +873,14 @@ class Supervisor:
                         ray.kill(ray.get_actor(a["name"], namespace=self.namespace), no_restart=True)
         with contextlib.suppress(Exception):
             release_job_groups(self.job_id)
-        shutil.rmtree(self.output_dir / ".snapshots", ignore_errors=True)
-        self._event("released", "workers, placement groups and snapshots released")
+        freed = 0
+        if self.keepers:
+            with contextlib.suppress(Exception):
+                from checkpointing.keeper import drop_job
+
+                freed = drop_job(self.keepers, self.job_id)
+        self._event("released", f"workers, placement groups and {freed} bytes of keeper memory released",
+                    keeper_bytes=freed)
 
 
 class _Cancelled(Exception):

@@ -49,7 +49,6 @@ class WorkerOptions:
     collective_timeout_s: float = 30.0
     chaos: list[dict[str, Any]] = field(default_factory=list)
     device: str = "auto"
-    snapshot_root: str | None = None  # scratch root for snapshots through the persistent tier
     replica: int = 0  # the supervisor's data-parallel replica this worker belongs to
     local: int = 0  # its place in the replica's tp x pp x cp group
 
@@ -167,8 +166,9 @@ class Worker:
         port: int,
         dp: int,
         *,
-        restore: bool,
+        restore: dict[str, Any] | None,
         timeout_s: float,
+        keepers: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Join generation `generation` as `rank`, restore, train to the end (or a pause, or an error)."""
         import torch
@@ -194,11 +194,11 @@ class Worker:
             cfg = engine_for_dp(self.cfg, dp)
             trainer = Trainer(cfg, device=device)
             timings["build_s"] = time.perf_counter() - t0
-            tiers = _Tiers(self, rank, world_size, timeout_s)
+            tiers = _Tiers(self, rank, world_size, timeout_s, keepers, trainer.optimizer)
             restored: dict[str, Any] = {"step": 0, "source": "fresh"}
-            if restore:
+            if restore is not None:
                 t0 = time.perf_counter()
-                restored = tiers.restore(trainer)
+                restored = tiers.restore(trainer, restore)
                 timings["restore_s"] = time.perf_counter() - t0
             self.step = trainer.step
             self.phase = "training"
@@ -318,9 +318,10 @@ def _side_group(timeout_s: float) -> Any:
 
 
 class _Tiers:
-    """The snapshot tier and the persistent tier of one rank in one generation."""
+    """The in-memory snapshot tier (keepers) and the persistent tier of one rank in one generation."""
 
-    def __init__(self, worker: Worker, rank: int, world_size: int, timeout_s: float) -> None:
+    def __init__(self, worker: Worker, rank: int, world_size: int, timeout_s: float,
+                 keepers: dict[str, Any] | None, optimizer: Any) -> None:  # fmt: skip
         from checkpointing.persistent import CheckpointManager
 
         self.w = worker
@@ -328,31 +329,41 @@ class _Tiers:
         cc = worker.ckpt_cfg
         out = Path(worker.opts.output_dir)
         self.persist_every = cc.persist_every
-        self.snap_every = cc.in_memory_every
-        self.persistent: Any = None
+        self.snap_every = cc.in_memory_every if keepers else 0
+        self.keepers = keepers or {}
+        root = cc.uri or (out / "checkpoints").resolve().as_uri()
+        # Always there: it writes every persist_every steps and is the fallback of a restore.
+        self.persistent: Any = CheckpointManager(cc, root, rank=rank, world_size=world_size,
+                                                 process_group=_side_group(timeout_s))
         self.snap: Any = None
-        if self.persist_every:
-            self.persistent = CheckpointManager(cc, (out / "checkpoints").resolve().as_uri(), rank=rank,
-                                                world_size=world_size, process_group=_side_group(timeout_s))
         if self.snap_every:
-            root = worker.opts.snapshot_root or (out / ".snapshots").resolve().as_uri()
-            scfg = cc.model_copy(update={"uri": root, "keep_last": 2})
-            self.snap = CheckpointManager(scfg, root, rank=rank, world_size=world_size,
-                                          process_group=_side_group(timeout_s))
+            from checkpointing.snapshot import SnapshotClient
+
+            self.snap = SnapshotClient(worker.opts.job_id, rank, world_size, worker.node_name or "head", self.keepers,
+                                       optimizer=None, timeout_s=max(30.0, timeout_s))
 
     def after_step(self, trainer: Any, generation: int) -> dict[str, Any] | None:
-        """Snapshot (committed before the next step: at most the step in flight is lost) and persist."""
+        """Snapshot to the keepers in the background (acked to the supervisor, which commits) and persist."""
         step = trainer.step
-        layout = {"dp": trainer.dims.dp, "world_size": self.world}
         out: dict[str, Any] | None = None
         if self.snap is not None and step % self.snap_every == 0:
-            res = self.snap.save(trainer.state_dict(), step, generation, layout)
-            out = {"step": step, "ok": res.ok, "error": res.error, "blocking_s": res.blocking_s}
-        if self.persistent is not None and step % self.persist_every == 0:
+            handle = self.snap.snapshot(trainer.state_dict(), step, generation)
+            handle.add_done_callback(self._snapshotted)
+            out = {"step": step, "blocking_s": handle.blocking_s}
+        if self.persist_every and step % self.persist_every == 0:
+            layout = {"dp": trainer.dims.dp, "world_size": self.world}
             handle = self.persistent.save_async(trainer.state_dict(), step, generation, layout)
             if self.rank == 0:
                 handle.add_done_callback(self._persisted)
         return out
+
+    def _snapshotted(self, res: Any) -> None:
+        with contextlib.suppress(Exception):
+            self.w.supervisor.report.remote({
+                "type": "snapshot", "worker": self.w.name, "step": res.step, "generation": res.generation,
+                "rank": res.rank, "ok": res.ok, "errors": res.errors, "acked": res.acked,
+                "world_size": self.world, "time": time.time(),
+            })
 
     def _persisted(self, res: Any) -> None:
         with contextlib.suppress(Exception):
@@ -361,39 +372,48 @@ class _Tiers:
                 "ok": res.ok, "uri": res.uri, "error": res.error, "tier": "persistent", "time": time.time(),
             })
 
-    def restore(self, trainer: Any) -> dict[str, Any]:
-        """Load the newest committed state of either tier into `trainer` (collective)."""
-        best: tuple[int, Any, Any, str] | None = None
-        skipped: list[str] = []
-        for mgr, source in ((self.snap, "snapshot"), (self.persistent, "persistent")):
-            if mgr is None:
-                continue
-            info = mgr.latest_valid(deep=False)
-            skipped += [f"{source} step {s}: {why}" for s, why in mgr.skipped]
-            if info is not None and (best is None or info.step > best[0]):
-                best = (info.step, mgr, info, source)
-        if best is None:
-            return {"step": 0, "source": "fresh", "skipped": skipped}
+    def restore(self, trainer: Any, target: dict[str, Any]) -> dict[str, Any]:
+        """Load the committed snapshot the supervisor chose (resharded), else the newest persistent one.
+
+        `trainer.state_dict()` initialises a fresh optimizer's state (DCP runs a zero-lr step), which
+        would shift a fresh run's Adam step count: it is only called when there is a state to load.
+        """
+        step, gen = target.get("step"), target.get("generation")
+        if self.keepers and step is not None:
+            from checkpointing.snapshot import restore_with_fallback
+
+            state = trainer.state_dict()
+            info = restore_with_fallback(self.keepers, self.w.opts.job_id, state, self.persistent, step=step,
+                                         generation=gen, prefer_node=self.w.node_name)
+            trainer.load_state_dict(state)
+            return {"step": int(trainer.step), "source": info.source, "fallback_reason": info.fallback_reason,
+                    "uri": info.uri, "snapshot_world": info.world_size}
+        ckpt = self.persistent.latest_valid(deep=False)
+        if ckpt is None:
+            return {"step": 0, "source": "fresh",
+                    "skipped": [f"step {s}: {why}" for s, why in self.persistent.skipped]}
         state = trainer.state_dict()
-        best[1].load(state, best[2])
+        self.persistent.load(state, ckpt)
         trainer.load_state_dict(state)
-        return {"step": int(trainer.step), "source": best[3], "uri": best[2].uri, "skipped": skipped}
+        return {"step": int(trainer.step), "source": "persistent", "uri": ckpt.uri,
+                "fallback_reason": "no committed in-memory snapshot" if self.keepers else None}
 
     def wait(self) -> None:
-        for mgr in (self.snap, self.persistent):
-            if mgr is not None:
-                mgr.wait()
+        self.persistent.wait()
 
     def abandon(self) -> None:
-        """After a failure: stop the upload threads without waiting on a broken group."""
-        for mgr in (self.snap, self.persistent):
-            if mgr is not None:
-                with contextlib.suppress(Exception):
-                    mgr._executor.shutdown(wait=False, cancel_futures=True)
+        """After a failure: stop the background threads without waiting on a broken group."""
+        with contextlib.suppress(Exception):
+            self.persistent._executor.shutdown(wait=False, cancel_futures=True)
+        if self.snap is not None:
+            with contextlib.suppress(Exception):
+                if self.snap._hook is not None:
+                    self.snap._hook.remove()
+                self.snap._sender.shutdown(wait=False)
         self.snap = self.persistent = None
 
     def close(self) -> None:
-        for mgr in (self.snap, self.persistent):
-            if mgr is not None:
+        for part in (self.snap, self.persistent):
+            if part is not None:
                 with contextlib.suppress(Exception):
-                    mgr.close()
+                    part.close()

@@ -16,6 +16,7 @@ token count (B * seq_len), so the trajectory does not depend on dp.
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 from typing import Any
@@ -112,6 +113,13 @@ def read_text_bytes(path: str) -> np.ndarray:
     return np.frombuffer(b"\n".join(chunks), dtype=np.uint8)
 
 
+@functools.lru_cache(maxsize=2)
+def _cached_text(path: str) -> np.ndarray:
+    """A process re-forming its group builds a new Trainer: reading a big folder again (seconds
+    for the Python stdlib) would lengthen every recovery, so the bytes are kept per path."""
+    return read_text_bytes(path)
+
+
 def _build_source(cfg: DataConfig, seq_len: int, vocab_size: int) -> _WindowSource | _SyntheticSource:
     if cfg.kind == "synthetic":
         return _SyntheticSource(seq_len, vocab_size, cfg.seed)
@@ -122,7 +130,8 @@ def _build_source(cfg: DataConfig, seq_len: int, vocab_size: int) -> _WindowSour
                 f"data.kind=text is byte-level (ids 0..255) and needs model.vocab_size >= 256, "
                 f"got {vocab_size}"
             )
-        return _WindowSource(read_text_bytes(cfg.path), seq_len, cfg.seed, f"data.path={cfg.path!r}")
+        return _WindowSource(_cached_text(str(Path(cfg.path).expanduser().resolve())), seq_len, cfg.seed,
+                             f"data.path={cfg.path!r}")
     path = Path(cfg.path).expanduser()
     if not path.is_file():
         raise DataError(f"data.path={cfg.path!r} is not a file; data.kind=tokens reads a flat binary file of ids")

@@ -1,133 +1,507 @@
-"""The demo (`make demo`): train a small Llama on the Python standard library's source, locally.
+"""The demo (`make demo`): the service trains a Llama on 4 workers, loses one mid-run, and carries on.
 
-Two processes with FSDP, started by our own launcher (no Ray, no torchrun). Prints the loss
-curve as a text chart, where metrics.jsonl and the final weights are, and a sample of what
-the model writes after a minute of training.
+Everything runs on this machine, private to the demo, and is stopped when it ends (also on
+Ctrl-C or an error):
+
+1. a Ray cluster of two nodes (head and "b") on 127.0.0.1, with the Ray dashboard;
+2. a local S3 server (SeaweedFS) with a bucket for the persistent checkpoints;
+3. the Unbroken control plane: REST API, scheduler, SQLite job store, on a free port;
+4. a job submitted through the SDK (examples/demo_job.yaml): a Llama-style model learns the
+   Python standard library's own source, byte-level, on 4 workers (FSDP), with an in-memory
+   snapshot every step, an S3 checkpoint every 10 steps, and one worker killed at step 15;
+5. a live view fed by the SDK (progress, loss, tokens/s, dp, recoveries, events as they come):
+   the failure, the resize 4 -> 3, the restore from memory, and the growth back when a
+   replacement is ready;
+6. a summary: losses, the recovery time split, checkpoints (SDK and S3), where metrics.jsonl is.
+
+    python -m examples.demo [--steps N] [--kill-step S] [--run-dir runs/demo]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import shutil
+import signal
 import sys
 import sysconfig
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import yaml
+from rich.console import Console
 
 EXAMPLES = Path(__file__).resolve().parent
-JOB_FILE = EXAMPLES / "local_demo.yaml"
+JOB_FILE = EXAMPLES / "demo_job.yaml"
+MARKER = ".unbroken-demo"  # a run folder holding this file is the demo's own, safe to clear
+BUCKET = "unbroken-demo"
+WORKERS = 4
+HEAD_CPUS = 2  # logical CPUs per node: 2 workers on each (the keepers and the supervisor take none)
+NODE_B_CPUS = 2
 
 
-def prepare_corpus(dest: Path) -> tuple[int, int]:
-    """Copy the stdlib's top-level modules (real Python text every machine has): (files, bytes)."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    shutil.rmtree(dest, ignore_errors=True)
-    dest.mkdir(parents=True)
-    files = sorted(stdlib.glob("*.py"))
-    for f in files:
-        shutil.copyfile(f, dest / f.name)
-    return len(files), sum(f.stat().st_size for f in files)
+# ============================================================================ processes
+def _proc_stat(pid: int) -> tuple[int, int, str] | None:
+    """(parent pid, start time in clock ticks, name) of a live process, from /proc."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    name = raw[raw.index("(") + 1 : raw.rindex(")")]
+    fields = raw[raw.rindex(")") + 2 :].split()
+    if fields[0] == "Z":  # a zombie has exited; only its parent's wait() is missing
+        return None
+    return int(fields[1]), int(fields[19]), name
 
 
-def text_chart(values: list[float], height: int = 10, width: int = 60) -> str:
-    """A compact chart: one column per bucket of steps (mean), a `*` at its height."""
-    if not values:
-        return "(no steps)"
-    n = len(values)
-    cols = min(width, n)
-    buckets = [values[i * n // cols : (i + 1) * n // cols] for i in range(cols)]
-    means = [sum(b) / len(b) for b in buckets]
-    lo, hi = min(means), max(means)
-    span = (hi - lo) or 1.0
-    rows = []
-    for r in range(height - 1, -1, -1):
-        level = lo + span * r / (height - 1)
-        cells = "".join("*" if round((m - lo) / span * (height - 1)) == r else " " for m in means)
-        rows.append(f"{level:7.3f} |{cells}")
-    rows.append(" " * 8 + "+" + "-" * cols)
-    rows.append(" " * 9 + f"step 1{' ' * max(1, cols - 6 - len(str(n)))}{n}")
-    return "\n".join(rows)
+def descendants(root: int) -> dict[tuple[int, int], str]:
+    """Every live process below `root`, keyed by (pid, start time) so a reused pid is not mistaken."""
+    children: dict[int, list[tuple[int, int, str]]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            st = _proc_stat(int(entry))
+            if st is not None:
+                children.setdefault(st[0], []).append((int(entry), st[1], st[2]))
+    found: dict[tuple[int, int], str] = {}
+    todo = [root]
+    while todo:
+        for pid, start, name in children.get(todo.pop(), []):
+            if (pid, start) not in found:
+                found[(pid, start)] = name
+                todo.append(pid)
+    return found
 
 
-def sample_text(final_dir: Path, prompt: str, n_bytes: int = 120, seed: int = 0) -> str:
-    """Let the trained model continue `prompt` (temperature 0.7, byte by byte)."""
-    import torch
+def still_alive(procs: dict[tuple[int, int], str]) -> dict[tuple[int, int], str]:
+    out = {}
+    for (pid, start), name in procs.items():
+        st = _proc_stat(pid)
+        if st is not None and st[1] == start:
+            out[(pid, start)] = name
+    return out
 
-    torch.set_num_threads(1)  # tiny matmuls: more threads only fight the other processes
 
-    from parallel.model import build_model
-    from workers.final_state import load_final_state
+# ============================================================================ the job
+def job_spec(run_dir: Path, s3: Any, steps: int | None, kill_step: int | None) -> dict[str, Any]:
+    """examples/demo_job.yaml with this machine's data path, output folder and S3 server filled in."""
+    data = yaml.safe_load(JOB_FILE.read_text(encoding="utf-8"))
+    data["data"]["path"] = sysconfig.get_paths()["stdlib"]
+    data["training"]["output_dir"] = str(run_dir / "job")
+    data["checkpoint"]["uri"] = f"s3://{BUCKET}/demo"
+    data["checkpoint"]["s3"] = {
+        "endpoint_url": s3.endpoint_url, "region": "us-east-1",
+        "access_key_id": s3.access_key, "secret_access_key": s3.secret_key,
+    }
+    if steps is not None:
+        data["training"]["steps"] = steps
+        data["training"]["warmup_steps"] = min(data["training"]["warmup_steps"], steps)
+    if kill_step is not None:
+        data["chaos"][0]["step"] = kill_step
+    return data
 
-    state, cfg = load_final_state(final_dir)
-    model = build_model(cfg.model, device="cpu")
-    model.load_state_dict(state)
-    model.eval()
-    gen = torch.Generator().manual_seed(seed)
-    ids = list(prompt.encode("utf-8"))
-    window = min(64, cfg.training.seq_len)
-    with torch.no_grad():
-        for _ in range(n_bytes):
-            logits = model(torch.tensor([ids[-window:]]))[0, -1]
-            probs = torch.softmax(logits / 0.7, dim=-1)
-            ids.append(int(torch.multinomial(probs, 1, generator=gen)))
-    return bytes(ids).decode("utf-8", errors="replace")
+
+# ============================================================================ the live view
+EVENT_STYLE = {
+    "submitted": ("SUBMITTED", "dim"),
+    "admitted": ("ADMITTED", "dim"),
+    "supervisor_started": ("SUPERVISOR", "dim"),
+    "started": ("STARTED", "dim"),
+    "replica_ready": ("WORKER", "dim"),
+    "state": ("STATE", "dim"),
+    "released": ("RELEASED", "dim"),
+    "failure_detected": ("FAILURE", "bold red"),
+    "resized": ("RESIZE", "bold yellow"),
+    "growing": ("GROW", "yellow"),
+    "restored": ("RECOVERED", "bold green"),
+    "fallback": ("FALLBACK", "bold yellow"),
+    "checkpointed": ("CHECKPOINT", "cyan"),
+    "checkpoint_failed": ("CKPT FAILED", "bold red"),
+    "generation": ("GENERATION", "bold"),
+    "finished": ("FINISHED", "bold green"),
+    "failed": ("FAILED", "bold red"),
+    "cancelled": ("CANCELLED", "bold red"),
+    "straggler": ("STRAGGLER", "yellow"),
+    "waiting_for_capacity": ("WAITING", "yellow"),
+}
+QUIET_KINDS = {"status"}  # the store's copy of each state change; the supervisor's `state` says the same
+
+
+def print_event(console: Console, ev: Any, t0: float) -> None:
+    if ev.kind in QUIET_KINDS:
+        return
+    label, style = EVENT_STYLE.get(ev.kind, (ev.kind, "dim"))
+    console.print(f"[dim]{ev.ts - t0:+7.1f}s[/dim] [{style}]{label:<11}[/{style}] {ev.message}",
+                  highlight=False, soft_wrap=True)
+
+
+class LiveView:
+    """A rich progress bar on a terminal (plain lines elsewhere), fed by the SDK's job polls."""
+
+    def __init__(self, console: Console, total: int) -> None:
+        self.console = console
+        self.total = total
+        self.bar: Any = None
+        self._task: Any = None
+        self._last_plain = 0
+
+    def __enter__(self) -> LiveView:
+        if self.console.is_terminal:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.bar = Progress(
+                TextColumn("[bold]{task.fields[status]:<10}"), BarColumn(bar_width=24), MofNCompleteColumn(),
+                TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
+                TextColumn("dp {task.fields[dp]}"), TextColumn("recoveries {task.fields[rec]}"),
+                TimeElapsedColumn(), console=self.console,
+            )
+            self.bar.start()
+            self._task = self.bar.add_task("job", total=self.total, status="PENDING", loss="-", tps="-", dp="-",
+                                           rec=0)
+        return self
+
+    @property
+    def out(self) -> Console:
+        return self.bar.console if self.bar is not None else self.console
+
+    def update(self, job: Any) -> None:
+        p = job.progress
+        step = p.step or 0
+        loss = f"{p.loss:.3f}" if p.loss is not None else "-"
+        tps = f"{p.tokens_per_s:,.0f}" if p.tokens_per_s is not None else "-"
+        dp = p.dp if p.dp is not None else "-"
+        if self.bar is not None:
+            self.bar.update(self._task, completed=step, status=job.status, loss=loss, tps=tps, dp=dp,
+                            rec=p.recoveries)
+        elif step >= self._last_plain + 5 or (step == self.total and step != self._last_plain):
+            self._last_plain = step
+            self.console.print(f"          [bold]progress[/bold]    step {step}/{self.total}  loss {loss}  "
+                               f"{tps} tok/s  dp {dp}  recoveries {p.recoveries}  ({job.status})", highlight=False)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def follow_job(client: Any, job_id: str, total: int, console: Console, t0: float, timeout_s: float) -> Any:
+    """Show the job's progress and events until it ends; returns the final Job."""
+    last = 0
+
+    def drain(out: Console) -> list[Any]:
+        nonlocal last
+        got = []
+        while True:
+            page = list(client.events(job_id, follow=False, after=last))
+            if not page:
+                return got
+            for ev in page:
+                last = max(last, ev.id)
+                print_event(out, ev, t0)
+                got.append(ev)
+
+    with LiveView(console, total) as view:
+        def on_poll(job: Any) -> None:
+            drain(view.out)
+            view.update(job)
+
+        job = client.wait(job_id, timeout=timeout_s, progress_callback=on_poll, poll_s=0.5)
+    # The supervisor's last words (release of workers and keeper memory) land just after the end.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if any(ev.kind == "released" for ev in drain(console)):
+            break
+        time.sleep(0.3)
+    return job
+
+
+# ============================================================================ the summary
+def dp_timeline(rows: list[dict[str, Any]]) -> str:
+    """'4 (steps 1-15) -> 3 (16-27) -> 4 (28-50)' from the metrics rows."""
+    spans: list[list[int]] = []
+    for r in rows:
+        if spans and spans[-1][0] == r["dp"]:
+            spans[-1][2] = r["step"]
+        else:
+            spans.append([r["dp"], r["step"], r["step"]])
+    return " -> ".join(f"{dp} (steps {a}-{b})" for dp, a, b in spans)
+
+
+def summarize(console: Console, client: Any, job: Any, s3: Any, run_dir: Path) -> None:
+    from examples.local_demo import text_chart
+
+    rows = client.metrics(job.id)
+    events = list(client.events(job.id, follow=False))
+    losses = [float(r["loss"]) for r in rows]
+    console.print(f"job {job.id} [bold]{job.status}[/bold]"
+                  + (f": {job.reason}" if job.reason and job.status != "SUCCEEDED" else "")
+                  + f"; {len(rows)} of {job.progress.total_steps or len(rows)} steps in "
+                  f"{(job.finished_at or time.time()) - (job.started_at or job.created_at):.1f}s, "
+                  f"{job.progress.recoveries} recovery(ies)", highlight=False)
+    if rows:
+        console.print(f"loss {losses[0]:.3f} at step {rows[0]['step']} -> {losses[-1]:.3f} at step "
+                      f"{rows[-1]['step']} (guessing bytes uniformly is ln 256 = 5.545)", highlight=False)
+        tps = [float(r["tokens_per_s"]) for r in rows if r.get("tokens_per_s")]
+        if tps:
+            console.print(f"throughput {sum(tps) / len(tps):,.0f} tokens/s (mean over steps, all workers)",
+                          highlight=False)
+        console.print(f"data-parallel degree: {dp_timeline(rows)}", highlight=False)
+        console.print("\nloss per step (mean per bucket; the failure does not show: same batches, same state):")
+        console.print(text_chart(losses, height=8, width=60), highlight=False, markup=False)
+
+    console.print()
+    for ev in events:
+        if ev.kind == "failure_detected":
+            console.print(f"[bold red]failure[/bold red]   {ev.message} ({(ev.data or {}).get('kind')})",
+                          highlight=False)
+        if ev.kind == "restored":
+            d = ev.data or {}
+            s = {k: "n/a" if d.get(k) is None else f"{d[k]:.2f}s"
+                 for k in ("total_s", "detect_s", "reform_s", "restore_s", "replay_s")}
+            console.print(
+                f"[bold green]recovery[/bold green]  {s['total_s']} from the fault to the next completed step: "
+                f"detect {s['detect_s']}, re-form {s['reform_s']}, restore {s['restore_s']}, replay {s['replay_s']}; "
+                f"restored step {d.get('restored_step')} from {'/'.join(d.get('source') or [])}, "
+                f"{d.get('lost_steps', 0)} step(s) lost", highlight=False)
+        if ev.kind == "resized":
+            console.print(f"[bold yellow]resized[/bold yellow]   {ev.message} ({(ev.data or {}).get('cause')})",
+                          highlight=False)
+
+    ckpts = client.checkpoints(job.id)
+    console.print(f"\ncheckpoints recorded by the service (client.checkpoints): {len(ckpts)}")
+    for c in ckpts:
+        console.print(f"  step {c.step:>4}  {c.tier:<10}  {c.uri}", highlight=False)
+    listing: dict[str, list[int]] = {}
+    paginator = s3.client().get_paginator("list_objects_v2")
+    for page in paginator.paginate(Bucket=BUCKET, Prefix="demo/"):
+        for obj in page.get("Contents", []):
+            top = obj["Key"].split("/")[1] if "/" in obj["Key"] else obj["Key"]
+            listing.setdefault(top, []).append(int(obj["Size"]))
+    console.print(f"in S3 at s3://{BUCKET}/demo/ (keep_last=3; older ones were deleted by retention):")
+    for name, sizes in sorted(listing.items()):
+        console.print(f"  {name:<24} {len(sizes):>3} objects, {sum(sizes) / 1e6:6.2f} MB", highlight=False)
+
+    metrics_path = run_dir / "job" / "metrics.jsonl"
+    n = len(metrics_path.read_text().splitlines()) if metrics_path.exists() else 0
+    console.print(f"\nmetrics.jsonl: {metrics_path} ({n} lines, one a step)", highlight=False)
+
+
+# ============================================================================ main
+def section(console: Console, n: int, title: str) -> None:
+    console.print()
+    console.rule(f"[bold]{n}. {title}", align="left")
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def prepare_run_dir(path: Path) -> None:
+    """Start from an empty folder; refuse to clear one the demo did not make."""
+    if path.exists() and any(path.iterdir()):
+        if not (path / MARKER).exists():
+            raise SystemExit(f"error: --run-dir {path} is not empty and not a demo folder; pick another folder")
+        shutil.rmtree(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / MARKER).write_text("made by `python -m examples.demo`; cleared by its next run\n")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=None, help="override training.steps")
-    parser.add_argument("--output", default="runs/demo")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=int(os.environ.get("UNBROKEN_DEMO_STEPS", 0)) or None,
+                        help="training steps (default: the job file's, 50; env UNBROKEN_DEMO_STEPS)")
+    parser.add_argument("--kill-step", type=int, default=None, help="the step at which rank 1 dies (default 15)")
+    parser.add_argument("--run-dir", default="runs/demo", help="the demo's folder (job store, S3 data, metrics)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="give up on the job after this many seconds")
     args = parser.parse_args(argv)
+    if args.steps is not None and args.steps < 2:
+        parser.error("--steps must be at least 2")
+    kill = args.kill_step if args.kill_step is not None else 15
+    steps = args.steps if args.steps is not None else 50
+    if not 0 < kill < steps:
+        parser.error(f"--kill-step {kill} must fall inside the run (1..{steps - 1})")
 
-    from parallel.config import EngineConfig
-    from service.spec import SpecError, load_spec_file
-    from workers.launcher import LaunchConfigError, RankFailure, run_local
-    from workers.metrics_log import read_metrics
-
-    out = Path(args.output).resolve()
-    corpus = out / "corpus"
-    n_files, n_bytes = prepare_corpus(corpus)
-    print(f"corpus: {n_files} stdlib modules, {n_bytes / 1e6:.1f} MB of Python source (byte-level tokens)")
+    console = Console(highlight=False, soft_wrap=True)  # log files get whole lines
+    run_dir = Path(args.run_dir).expanduser().resolve()
+    prepare_run_dir(run_dir)
+    home = run_dir / "home"  # the demo's own token file: the user's ~/.unbroken is left alone
+    t_start = time.monotonic()
+    old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
+    ray_tmp = tempfile.mkdtemp(prefix="ubdemo-", dir="/tmp")  # short: Ray's socket paths stay < 108 chars
+    stack = contextlib.ExitStack()
+    started: dict[tuple[int, int], str] = {}
+    ok = False
+    console.rule("[bold]Unbroken: an elastic, fault-tolerant training service (demo)")
+    console.print(f"run folder {run_dir}; everything started here is stopped at the end")
     try:
-        cfg = load_spec_file(JOB_FILE, cls=EngineConfig)
-        cfg.data.path = str(corpus)
-        if args.steps is not None:
-            cfg.training.steps = args.steps
-        print(
-            f"job: {JOB_FILE.name}: model {cfg.model.preset} ({cfg.model.dim} dim, {cfg.model.n_layers} layers), "
-            f"{cfg.training.steps} steps of {cfg.training.global_batch_size}x{cfg.training.seq_len} tokens, "
-            f"{args.nproc} processes (FSDP)"
-        )
-        t0 = time.perf_counter()
-        result = run_local(cfg, args.nproc, out, device="auto")
-    except (SpecError, LaunchConfigError) as e:
-        print(f"error: the demo job was refused:\n{e}", file=sys.stderr)
-        return 2
-    except RankFailure as e:
-        print(f"error: {e}", file=sys.stderr)
+        with stack:
+            ok = _run(args, steps, kill, console, run_dir, home, ray_tmp, stack, started) == 0
+            section(console, 7, "Shutting down what the demo started")
+            started.update(descendants(os.getpid()))
+        left = _wait_gone(started, 20.0)
+        if left:
+            console.print(f"[bold red]left behind[/bold red] {len(left)} process(es): "
+                          + ", ".join(f"{pid} ({name})" for (pid, _), name in left.items()) + "; killing them")
+            for pid, _ in left:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+        else:
+            console.print(f"all {len(started)} processes the demo started have exited")
+    except KeyboardInterrupt:
+        console.print("\n[bold red]interrupted[/bold red]: everything the demo started is stopped")
+        _reap(started)
+        return 130
+    except Exception:
+        console.print_exception()
+        console.print("[bold red]the demo failed[/bold red]; everything it started is stopped. "
+                      f"Ray's logs: {ray_tmp}/session_latest/logs")
+        _reap(started)
         return 1
-    lines = read_metrics(result.metrics_path)
-    losses = [line["loss"] for line in lines]
-    steady = [line["tokens_per_s"] for line in lines[len(lines) // 2 :]]
-    print()
-    print("loss (mean per bucket of steps):")
-    print(text_chart(losses))
-    print()
-    print(
-        f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps "
-        f"(uniform guessing over bytes is ln 256 = 5.545)"
-    )
-    print(
-        f"{sum(steady) / len(steady):,.0f} tokens/s (2nd half, all ranks), start-up {result.setup_s or 0:.1f}s, "
-        f"wall {time.perf_counter() - t0:.1f}s"
-    )
-    print(f"metrics:       {result.metrics_path}")
-    print(f"final weights: {result.final_dir}  (unbroken export-hf {out} OUT_DIR -> a Hugging Face folder)")
-    if result.final_dir is not None:
-        prompt = "def "
-        print(f"\nthe model continues {prompt!r}:\n---\n{sample_text(result.final_dir, prompt)}\n---")
-    return 0
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+    if ok:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    else:
+        console.print(f"Ray's logs are kept in {ray_tmp}/session_latest/logs")
+    console.print(f"\ndemo {'done' if ok else 'FAILED'} in {time.monotonic() - t_start:.0f}s")
+    return 0 if ok else 1
+
+
+def _wait_gone(procs: dict[tuple[int, int], str], timeout_s: float) -> dict[tuple[int, int], str]:
+    deadline = time.monotonic() + timeout_s
+    left = still_alive(procs)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = still_alive(left)
+    return left
+
+
+def _reap(started: dict[tuple[int, int], str]) -> None:
+    """After an error or Ctrl-C: the orderly stops already ran; SIGKILL any process of ours still there."""
+    started.update(descendants(os.getpid()))
+    for pid, _ in _wait_gone(started, 10.0):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _step(console: Console, what: str, fn: Callable[[], Any]) -> Any:
+    t = time.monotonic()
+    out = fn()
+    console.print(f"  {what} [dim]({time.monotonic() - t:.1f}s)[/dim]", highlight=False)
+    return out
+
+
+def _run(args: argparse.Namespace, steps: int, kill: int, console: Console, run_dir: Path, home: Path,
+         ray_tmp: str, stack: contextlib.ExitStack, started: dict[tuple[int, int], str]) -> int:
+    # ---- 1. Ray
+    section(console, 1, "A Ray cluster of two nodes on 127.0.0.1")
+    from service.local_cluster import LocalCluster  # sets Ray's loopback mode before Ray is imported
+
+    cluster = LocalCluster(head_cpus=HEAD_CPUS, dashboard=True, temp_dir=ray_tmp)
+
+    def stop_cluster() -> None:
+        started.update(descendants(os.getpid()))  # Ray's workers too, to check they are gone after
+        t = time.monotonic()
+        cluster.shutdown()
+        console.print(f"  Ray cluster stopped (both nodes) [dim]({time.monotonic() - t:.1f}s)[/dim]")
+
+    stack.callback(stop_cluster)
+    _step(console, "head node started", cluster.start)
+    _step(console, 'node "b" joined', lambda: cluster.add_node("b", num_cpus=NODE_B_CPUS))
+    cluster.connect()
+    pids = {name: sorted(p.process.pid for infos in node.all_processes.values() for p in infos)
+            for name, node in cluster.nodes.items()}
+    console.print(f"  address {cluster.address}; {HEAD_CPUS}+{NODE_B_CPUS} logical CPUs "
+                  f"(1 a worker); dashboard {cluster.dashboard_url}")
+    for name, p in pids.items():
+        console.print(f"  node {name}: pids {' '.join(map(str, p))}", highlight=False)
+
+    # ---- 2. S3
+    section(console, 2, "Object storage: a local S3 server (SeaweedFS)")
+    from checkpointing.local_s3 import LocalS3Server
+
+    s3 = LocalS3Server(run_dir / "s3")
+
+    def stop_s3() -> None:
+        pid = s3.proc.pid if s3.proc is not None else None
+        s3.stop()
+        console.print(f"  S3 server stopped (pid {pid})")
+
+    stack.callback(stop_s3)
+    _step(console, "SeaweedFS ready", s3.start)
+    assert s3.proc is not None
+    s3.create_bucket(BUCKET)
+    console.print(f"  endpoint {s3.endpoint_url} (pid {s3.proc.pid}); bucket {BUCKET}", highlight=False)
+
+    # ---- 3. the control plane
+    section(console, 3, "The Unbroken control plane: REST API + scheduler + job store")
+    from api.app import create_app
+    from api.server import BackgroundServer, ensure_admin_token
+    from service.scheduler import Scheduler
+    from service.store import JobStore
+
+    db = f"sqlite:///{run_dir / 'unbroken.db'}"
+    store = JobStore(db)
+    stack.callback(store.close)
+    scheduler = Scheduler(store, interval_s=0.5, liveness_every_s=2.0)
+
+    def stop_scheduler() -> None:
+        scheduler.stop()
+        console.print("  scheduler stopped")
+
+    stack.callback(stop_scheduler)
+    scheduler.start()
+    server = BackgroundServer(create_app(store, scheduler))
+
+    def stop_server() -> None:
+        server.stop()
+        console.print(f"  API server stopped ({server.url})")
+
+    stack.callback(stop_server)
+    _step(console, "API server up", server.start)
+    os.environ["UNBROKEN_HOME"] = str(home)
+    token, token_path = ensure_admin_token(store, server.url, home / "token")
+    console.print(f"  {server.url} (OpenAPI docs at {server.url}/docs); store {db}", highlight=False)
+    console.print(f"  admin token in {token_path}; from another terminal while it runs:", highlight=False)
+    console.print(f"    UNBROKEN_HOME={home} unbroken jobs list", highlight=False, markup=False)
+
+    # ---- 4. submit through the SDK
+    section(console, 4, "Submitting the job through the SDK")
+    from unbroken import Client, JobSpec
+
+    spec = JobSpec.model_validate(job_spec(run_dir, s3, steps, kill))
+    client = Client(server.url, token)
+    stack.callback(client.close)
+    m, t = spec.model, spec.training
+    console.print(f"  model: Llama-style '{m.preset}' ({m.dim} dim, {m.n_layers} layers, {m.n_heads} heads, "
+                  f"{m.kv_heads} kv heads), byte-level", highlight=False)
+    console.print(f"  data: the Python standard library's source, {spec.data.path}", highlight=False)
+    console.print(f"  training: {t.steps} steps of {t.global_batch_size}x{t.seq_len} tokens; "
+                  f"dp {spec.resources.dp.min}..{spec.resources.dp.max} workers (FSDP), "
+                  f"{spec.resources.cpus_per_worker:g} CPU each", highlight=False)
+    ck = spec.checkpoint
+    console.print(f"  checkpoints: in memory (keepers) every {ck.in_memory_every} step, "
+                  f"{ck.uri} every {ck.persist_every} steps", highlight=False)
+    console.print(f"  chaos: {', '.join(f'{c.kind} at step {c.step} on rank {c.rank}' for c in spec.chaos)}",
+                  highlight=False)
+    t_submit = time.time()
+    job = client.submit(spec)
+    console.print(f"  submitted: job {job.id} ({job.status})", highlight=False)
+
+    # ---- 5. watch it
+    section(console, 5, "Training (live, from the SDK: client.wait + client.events)")
+    console.print(f"[dim]At step {kill} a worker exits on purpose; Ray reports it with a '(raylet) A worker died' "
+                  "line.[/dim]")
+    job = follow_job(client, job.id, t.steps, console, t_submit, args.timeout)
+
+    # ---- 6. summary
+    section(console, 6, "Summary")
+    summarize(console, client, job, s3, run_dir)
+    console.print(f"Ray dashboard: {cluster.dashboard_url} (jobs' actors: job-{job.id}/...; it stops with the demo)",
+                  highlight=False)
+    return 0 if job.status == "SUCCEEDED" else 1
 
 
 if __name__ == "__main__":

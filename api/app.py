@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.deps import ApiError, AppState
-from api.routers import health, jobs, metrics
+from api.routers import health, jobs, metrics, plan
 from service.store import JobStore
 
 log = logging.getLogger(__name__)
@@ -144,6 +144,7 @@ def create_app(
     state.extra["metrics"] = ApiMetrics(store)
     app.state.unbroken = state
     app.include_router(jobs.router)
+    app.include_router(plan.router)
     app.include_router(health.router)
     app.include_router(metrics.router)
     app.add_exception_handler(ApiError, _api_error)

@@ -36,6 +36,25 @@ def _reveal(x: Any) -> Any:
     return x
 
 
+def _spec_body(spec: Any, headers: dict[str, str], verb: str) -> dict[str, Any]:
+    """httpx request arguments carrying a job spec: a job.yaml path as YAML, a dict or JobSpec as JSON."""
+    if isinstance(spec, str | Path):
+        path = Path(spec)
+        if not path.is_file():
+            raise errors.ValidationFailed(f"job file {str(path)!r} does not exist", {"path": "no such file"})
+        return {"content": path.read_bytes(), "headers": {**headers, "Content-Type": "application/yaml"}}
+    if isinstance(spec, dict):
+        return {"json": spec, "headers": headers}
+    if hasattr(spec, "model_dump"):
+        data = _reveal(spec.model_dump(mode="python"))
+        p = getattr(spec, "parallelism", None)
+        if getattr(p, "auto", False):
+            # With auto, the sizes the user set are the ones the planner keeps: send only those.
+            data["parallelism"] = p.model_dump(mode="python", exclude_unset=True)
+        return {"content": json.dumps(data, default=str), "headers": {**headers, "Content-Type": "application/json"}}
+    raise TypeError(f"{verb}() takes a JobSpec, a dict or a path, not {type(spec).__name__}")
+
+
 def resolve_connection(url: str | None = None, token: str | None = None) -> tuple[str, str | None]:
     """Explicit arguments, else $UNBROKEN_URL / $UNBROKEN_TOKEN, else the local token file."""
     from service.auth import read_token_file
@@ -88,21 +107,15 @@ class Client:
     def submit(self, spec: Any, *, idempotency_key: str | None = None) -> Job:
         """Submit a JobSpec, a dict of sections, or the path of a job.yaml; returns the stored job."""
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
-        if isinstance(spec, str | Path) and not isinstance(spec, dict):
-            path = Path(spec)
-            if not path.is_file():
-                raise errors.ValidationFailed(f"job file {str(path)!r} does not exist", {"path": "no such file"})
-            r = self._request("POST", "/v1/jobs", content=path.read_bytes(),
-                              headers={**headers, "Content-Type": "application/yaml"})
-        elif isinstance(spec, dict):
-            r = self._request("POST", "/v1/jobs", json=spec, headers=headers)
-        elif hasattr(spec, "model_dump"):
-            body = json.dumps(_reveal(spec.model_dump(mode="python")), default=str)
-            r = self._request("POST", "/v1/jobs", content=body,
-                              headers={**headers, "Content-Type": "application/json"})
-        else:
-            raise TypeError(f"submit() takes a JobSpec, a dict or a path, not {type(spec).__name__}")
+        r = self._request("POST", "/v1/jobs", **_spec_body(spec, headers, "submit"))
         return Job.model_validate(r.json())
+
+    def plan(self, spec: Any, gpus: int | None = None, gpu: str | None = None, nodes: int | None = None) -> dict:
+        """The planner's layouts for a job (JobSpec, dict or job.yaml path) on a cluster: `gpus`
+        devices of preset `gpu` (h100, h200, a100, cpu) on `nodes` nodes, by default the cluster
+        the job would run on. Nothing is stored. `ok` is false when no layout fits (`reasons`)."""
+        params = {k: v for k, v in (("gpus", gpus), ("gpu", gpu), ("nodes", nodes)) if v is not None}
+        return self._request("POST", "/v1/plan", params=params, **_spec_body(spec, {}, "plan")).json()
 
     def get(self, job_id: str) -> Job:
         return Job.model_validate(self._request("GET", f"/v1/jobs/{job_id}").json())

@@ -84,12 +84,13 @@ def _parse_body(raw: bytes, content_type: str) -> Any:
     )
 
 
-def _validate(data: Any, state: AppState) -> JobSpec:
+def parse_job_spec(data: Any) -> JobSpec:
+    """The body as a JobSpec (its own pydantic checks only); 422 naming each bad field."""
     if not isinstance(data, dict):
         raise ApiError(422, "validation_failed", f"a job spec is a mapping of sections, got {type(data).__name__}",
                        [("body", "must be an object with sections model, data, training, ...")])
     try:
-        spec = JobSpec.model_validate(data)
+        return JobSpec.model_validate(data)
     except ValidationError as e:
         fields = []
         for err in e.errors():
@@ -97,14 +98,41 @@ def _validate(data: Any, state: AppState) -> JobSpec:
             fields.append((loc, err["msg"].removeprefix("Value error, ")))
         lines = "; ".join(f"{f}: {m}" for f, m in fields)
         raise ApiError(422, "validation_failed", f"the job spec is invalid: {lines}", fields) from e
+
+
+def cluster_view(state: AppState) -> dict[str, float] | None:
+    """The cluster's resources: the connected Ray cluster's, or a store-only server's fixed view."""
+    return state.scheduler.cluster_total() if state.scheduler is not None else state.cluster_total
+
+
+def _validate(data: Any, state: AppState) -> tuple[JobSpec, Any]:
+    """(spec, auto): the spec to store, with `parallelism: auto` resolved to a concrete layout
+    (auto: the service.autolayout.AutoLayout chosen, else None)."""
     from service.validation import job_problems
 
-    total = state.scheduler.cluster_total() if state.scheduler is not None else state.cluster_total
+    spec = parse_job_spec(data)
+    total = cluster_view(state)
+    auto = None
+    if spec.parallelism.auto:
+        from service.autolayout import LayoutRefused, cluster_for_job, resolve_auto
+
+        if total is None:
+            msg = ("auto needs a cluster to plan for and this server has none (store-only, no cluster view); "
+                   "set the parallel sizes explicitly, e.g. parallelism: {dp_shard: -1}")
+            raise ApiError(422, "validation_failed", f"parallelism: {msg}", [("parallelism", msg)])
+        try:
+            auto = resolve_auto(spec, cluster_for_job(spec, total), total)
+        except LayoutRefused as e:
+            # Only parallelism is named: the cluster is the server's, not a field of this request.
+            problems = [("parallelism", m if f == "parallelism" else f"{f}: {m}") for f, m in e.problems]
+            lines = "; ".join(m for _, m in problems)
+            raise ApiError(422, "validation_failed", f"parallelism: auto found no layout: {lines}", problems) from e
+        spec = auto.spec
     problems = job_problems(spec, total)
     if problems:
         lines = "; ".join(f"{f}: {m}" for f, m in problems)
         raise ApiError(422, "validation_failed", f"the job cannot run: {lines}", problems)
-    return spec
+    return spec, auto
 
 
 SUBMIT_OPENAPI: dict[str, Any] = {
@@ -137,7 +165,7 @@ async def submit_job(
 ) -> Response:
     raw = await request.body()
     data = _parse_body(raw, request.headers.get("content-type", ""))
-    spec = await run_in_threadpool(_validate, data, state)
+    spec, auto = await run_in_threadpool(_validate, data, state)
     min_world, max_world = sizing.job_world_size(spec)
     try:
         rec, created = await run_in_threadpool(
@@ -146,6 +174,9 @@ async def submit_job(
         )
     except IdempotencyConflictError as e:
         raise ApiError(409, "conflict", str(e), [("Idempotency-Key", "reused with a different spec")]) from e
+    if created and auto is not None:
+        await run_in_threadpool(state.store.add_event, rec.id, "layout_chosen", auto.event_message(),
+                                auto.event_data())
     if created and state.scheduler is not None:
         state.scheduler.notify()
     headers = {"Location": f"/v1/jobs/{rec.id}"}

@@ -68,6 +68,7 @@ class _Shard:
     extras: bytes  # pickled non-tensor values, small
     world_size: int
     received_at: float
+    readers: int = 0  # get_blob calls copying the blob out: it must not be reused meanwhile
 
     @property
     def nbytes(self) -> int:
@@ -90,16 +91,28 @@ class Keeper:
         self._committed: dict[str, list[SnapshotId]] = {}  # sorted, at most KEEP_COMMITTED
         self._fence: dict[str, int] = {}  # job -> minimum generation accepted
         self._refused = 0
+        # Freed blobs of the same size are reused: a fresh 100 MB array costs page faults that
+        # take as long as the copy itself. Pooled bytes count against the limit, and are dropped first.
+        self._pool: dict[int, list[np.ndarray]] = {}
+        self.pool_bytes = 0
 
     # ------------------------------------------------------------------ writing
     def put_shard(
         self, job_id: str, generation: int, step: int, rank: int, world_size: int,
-        layout: bytes, extras: bytes, blob: np.ndarray,
+        layout: bytes, extras: bytes, data: np.ndarray | list[np.ndarray],
+        offsets: list[int] | None = None, total: int | None = None,
     ) -> dict[str, Any]:  # fmt: skip
-        """Store one rank's shard (a copy). Returns {"node", "nbytes", "used_bytes"}."""
+        """Store one rank's shard (a copy): `data` is the laid-out blob, or its pieces (uint8 arrays)
+        to place at `offsets` in a blob of `total` bytes. Returns {"node", "nbytes", "used_bytes"}."""
         key = (job_id, int(generation), int(step), int(rank))
+        if offsets is None:
+            assert isinstance(data, np.ndarray)
+            pieces, offsets, blob_bytes = [data], [0], int(data.nbytes)
+        else:
+            assert isinstance(data, list) and total is not None and len(data) == len(offsets)
+            pieces, blob_bytes = data, int(total)
         # The copy happens outside the lock (it can take a while); the reservation inside it.
-        size = int(blob.nbytes) + len(layout) + len(extras)
+        size = blob_bytes + len(layout) + len(extras)
         with self._lock:
             fence = self._fence.get(job_id, -1)
             if generation < fence:
@@ -118,16 +131,24 @@ class Keeper:
                     f"or lower the snapshot size per rank (raise checkpoint.in_memory_every so fewer "
                     f"snapshots are in flight, or shard the state over more ranks/nodes)"
                 )
-            self.used += size - (old.nbytes if old else 0)  # reserve before copying
+            self.used += size  # reserve before copying (a replaced old copy is released at the swap)
+            blob = self._take(blob_bytes)
         try:
-            shard = _Shard(
-                np.array(blob, dtype=np.uint8, copy=True), layout, extras, int(world_size), time.time()
-            )
+            if blob is None:
+                blob = np.empty(blob_bytes, dtype=np.uint8)
+            for piece, off in zip(pieces, offsets, strict=True):
+                flat = piece.reshape(-1).view(np.uint8)
+                blob[off : off + flat.nbytes] = flat
+            shard = _Shard(blob, layout, extras, int(world_size), time.time())
         except BaseException:
             with self._lock:
-                self.used -= size - (old.nbytes if old else 0)
+                self.used -= size
             raise
         with self._lock:
+            replaced = self._shards.get(key)
+            if replaced is not None:
+                self.used -= replaced.nbytes
+                self._pool_blob(replaced)
             self._shards[key] = shard
             # A commit may have happened meanwhile that makes this shard obsolete.
             self._apply_retention(job_id)
@@ -178,7 +199,28 @@ class Keeper:
             if sid in committed:
                 continue
             if (newest is not None and sid < newest) or key[1] < fence:
-                self.used -= self._shards.pop(key).nbytes
+                shard = self._shards.pop(key)
+                self.used -= shard.nbytes
+                self._pool_blob(shard)
+
+    def _pool_blob(self, shard: _Shard) -> None:
+        """Keep a freed shard's blob for reuse if nobody reads it and it fits (caller holds the lock)."""
+        blob = shard.blob
+        if shard.readers == 0 and self.used + self.pool_bytes + blob.nbytes <= self.limit:
+            self._pool.setdefault(int(blob.nbytes), []).append(blob)
+            self.pool_bytes += int(blob.nbytes)
+
+    def _take(self, nbytes: int) -> np.ndarray | None:
+        """A pooled blob of exactly nbytes, if any; trims the pool to the limit (caller holds the lock)."""
+        same = self._pool.get(nbytes)
+        blob = same.pop() if same else None
+        if blob is not None:
+            self.pool_bytes -= nbytes
+        for size in sorted(self._pool, reverse=True):
+            while self._pool[size] and self.used + self.pool_bytes > self.limit:
+                self._pool[size].pop()
+                self.pool_bytes -= size
+        return blob
 
     # ------------------------------------------------------------------ reading
     def get_meta(self, job_id: str, generation: int, step: int, rank: int) -> tuple[bytes, bytes, int]:
@@ -186,8 +228,21 @@ class Keeper:
         shard = self._get(job_id, generation, step, rank)
         return shard.layout, shard.extras, shard.world_size
 
-    def get_blob(self, job_id: str, generation: int, step: int, rank: int) -> np.ndarray:
-        return self._get(job_id, generation, step, rank).blob
+    def get_blob(self, job_id: str, generation: int, step: int, rank: int) -> list[ray.ObjectRef]:
+        """[a ref to the blob], put by this keeper before returning: the put copies the blob while it
+        is pinned against reuse (a return value would be copied after the method, unpinned)."""
+        with self._lock:
+            shard = self._shards.get((job_id, generation, step, rank))
+            if shard is None:
+                raise KeyError(
+                    f"keeper-{self.node} holds no shard of job {job_id!r} gen {generation} step {step} rank {rank}"
+                )
+            shard.readers += 1
+        try:
+            return [ray.put(shard.blob)]
+        finally:
+            with self._lock:
+                shard.readers -= 1
 
     def _get(self, job_id: str, generation: int, step: int, rank: int) -> _Shard:
         with self._lock:
@@ -206,12 +261,15 @@ class Keeper:
             for key in [k for k in self._shards if k[0] == job_id]:
                 freed += self._shards.pop(key).nbytes
             self.used -= freed
+            self._pool.clear()  # give the memory back (the pool is only a cache)
+            self.pool_bytes = 0
             self._committed.pop(job_id, None)
             self._fence.pop(job_id, None)
             return freed
 
     def memory_report(self) -> dict[str, Any]:
-        """{"node", "limit_bytes", "used_bytes", "refused", "jobs": {job: {"bytes", "shards", "committed"}}}."""
+        """{"node", "limit_bytes", "used_bytes", "pool_bytes", "refused",
+        "jobs": {job: {"bytes", "shards", "committed"}}}; pool_bytes: freed blobs kept for reuse."""
         with self._lock:
             jobs: dict[str, dict[str, Any]] = {}
             for (j, g, s, r), sh in self._shards.items():
@@ -223,7 +281,7 @@ class Keeper:
             for e in jobs.values():
                 e["shards"].sort()
             return {"node": self.node, "limit_bytes": self.limit, "used_bytes": self.used,
-                    "refused": self._refused, "jobs": jobs}  # fmt: skip
+                    "pool_bytes": self.pool_bytes, "refused": self._refused, "jobs": jobs}  # fmt: skip
 
     def ping(self) -> str:
         return self.node

@@ -1,23 +1,27 @@
 """The in-memory snapshot tier, worker side: send a rank's shard to two keepers; restore from them.
 
-    client = SnapshotClient(job_id, rank, world_size, node_name, keepers)
-    handle = client.snapshot(trainer.state_dict(), trainer.step, generation)  # blocks for a local copy
+    client = SnapshotClient(job_id, rank, world_size, node_name, keepers, optimizer=trainer.optimizer)
+    handle = client.snapshot(trainer.state_dict(), trainer.step, generation)  # after the step
+    handle.add_done_callback(lambda r: ...)   # r: SnapshotResult(ok, acked=[nodes], errors), on a thread
     ...train on...
-    handle.result()   # SnapshotResult(ok, acked=[nodes], errors) once both keepers hold it
-    # supervisor: checkpointing.keeper.commit_snapshot(keepers, job_id, generation, step, world_size)
+    # supervisor, once every rank reported ok: keeper.commit_snapshot(keepers, job_id, generation, step, world)
+    client.close()    # before the group re-forms or the state is replaced; build a new client after
 
     state = trainer.state_dict()                 # built for the NEW mesh (any dp degree)
     info = restore_from_keepers(keepers, job_id, state, step=step)   # no collectives; SnapshotLost
     info = restore_with_fallback(keepers, job_id, state, manager)    # collective: agrees, falls back
     trainer.load_state_dict(state)
 
-Off the training path: `snapshot()` copies the rank's tensors into a reused host buffer (CPU: a
-memcpy; CUDA: pinned buffer, copies enqueued on a side stream that the compute stream then waits
-for, so the host never blocks) and hands it to one background thread, which puts it into the object
-store once (after which the buffer is free again; there are two, so step s+1 can copy while step s
-is sent) and asks two keepers to keep a copy: the one on this rank's node and the next node's in
-sorted order (one copy only when there is one node; said once in the log). No collectives: each rank
-plans its own shard (checkpointing.memory_storage), and resharding happens at restore.
+Off the training path: `snapshot()` packs the few non-tensor values and starts copying the rank's
+tensors into a reused host buffer: with `optimizer`, on CPU a copier thread copies while the next
+forward/backward runs (they do not change parameters or optimizer state) and the optimizer's step
+pre-hook waits for it; on CUDA the copies go to a pinned buffer on a side stream that the compute
+stream waits for (GPU-side) before the next optimizer step. Without `optimizer` the CPU copy is made
+inside the call. One background thread then puts the buffer into the object store once (after which
+it is free again; there are two, so step s+1 can copy while step s is sent) and asks two keepers to
+keep a copy: the one on this rank's node and the next node's in sorted order (one copy only when
+there is one node; said once in the log). No collectives: each rank plans its own shard
+(checkpointing.memory_storage) and resharding happens at restore.
 """
 
 from __future__ import annotations
@@ -115,12 +119,25 @@ class SnapshotHandle:
 
 
 class _HostBuffer:
-    def __init__(self, nbytes: int, pin: bool) -> None:
-        self.data = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    """A pinned host buffer for the CUDA path, with a typed view per tensor slot."""
+
+    def __init__(self, layout: ShardLayout) -> None:
+        self.data = torch.empty(max(layout.total_bytes, 1), dtype=torch.uint8, pin_memory=True)
+        self.views = slot_views(self.data, layout)
         self.free = threading.Event()
         self.free.set()
-        self.views: list[torch.Tensor] = []
-        self.event: Any = None  # torch.cuda.Event of the copies, on CUDA
+        self.event: Any = None  # torch.cuda.Event recorded after the copies
+
+
+def _bytes_view(t: torch.Tensor) -> Any:
+    """A uint8 numpy view of a CPU tensor's data (a copy only if it is not contiguous)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def _put_views(sources: list[torch.Tensor]) -> ray.ObjectRef:
+    """One object holding every tensor's bytes: Ray copies each straight into the object store
+    (one memcpy in all, versus a host-buffer copy and then a put)."""
+    return ray.put([_bytes_view(t) for t in sources])
 
 
 class SnapshotClient:
@@ -137,7 +154,7 @@ class SnapshotClient:
         optimizer: torch.optim.Optimizer | None = None,
         timeout_s: float = 120.0,
     ) -> None:
-        """With `optimizer`, the host copy overlaps the next step's forward/backward (parameters and
+        """With `optimizer`, the copy overlaps the next step's forward/backward (parameters and
         optimizer state change only in optimizer.step(), whose pre-hook waits for the copy); without
         it, snapshot() copies before returning."""
         if world_size < 1 or not 0 <= rank < world_size:
@@ -157,15 +174,16 @@ class SnapshotClient:
             )
         self._layout: ShardLayout | None = None
         self._layout_bytes = b""
-        self._buffers: list[_HostBuffer] = []
+        self._offsets: list[int] = []
+        self._buffers: list[_HostBuffer] = []  # CUDA only, made on first use
         self._next = 0
-        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"snapshot-r{rank}")
         self._stream: Any = None
-        self.last_result: SnapshotResult | None = None
+        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"snapshot-r{rank}")
         self._copier: ThreadPoolExecutor | None = None
-        self._pending_copy: Future[None] | Any = None  # a Future (CPU) or a torch.cuda.Event
+        self._pending_copy: Future[Any] | Any = None  # a Future (CPU) or a torch.cuda.Event
         self._hook: Any = None
         self.copy_wait_s = 0.0  # total time optimizer steps waited for snapshot copies
+        self.last_result: SnapshotResult | None = None
         if optimizer is not None:
             self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"snapshot-copy-r{rank}")
             self._hook = optimizer.register_step_pre_hook(lambda *_: self.wait_copies())
@@ -183,10 +201,8 @@ class SnapshotClient:
             return self._layout
         self._layout = plan_layout(state, flat)
         self._layout_bytes = self._layout.to_bytes()
-        pin = torch.cuda.is_available()
-        self._buffers = [_HostBuffer(max(self._layout.total_bytes, 1), pin) for _ in range(2)]
-        for b in self._buffers:
-            b.views = slot_views(b.data, self._layout)
+        self._offsets = [s.offset for s in self._layout.slots]
+        self._buffers = []
         return self._layout
 
     def wait_copies(self) -> None:
@@ -205,38 +221,36 @@ class SnapshotClient:
 
     @torch.no_grad()
     def snapshot(self, state: dict[str, Any], step: int, generation: int) -> SnapshotHandle:
-        """Copy this rank's shard of `state` to host memory and send it in the background.
+        """Copy this rank's shard of `state` off the device and send it to two keepers in the background.
 
-        Call after the optimizer step. Blocks for the local copy, or (with `optimizer`) only to
-        start it; and, if both host buffers are still being put into the object store, until one is.
+        Call after the optimizer step. Blocks for the copy, or (with `optimizer`) only to start it;
+        on CUDA, if both pinned buffers are still being sent, until one is free.
         """
         t0 = time.perf_counter()
         self.wait_copies()  # at most one copy in flight
         flat, _ = flatten(state)
         layout = self._ensure_layout(state, flat)
+        sources = [resolve(flat, layout.items[s.item]) for s in layout.slots]
+        extras = pack_extras(flat, layout)
+        job: tuple[str, Any]
+        if any(t.device.type == "cuda" for t in sources):
+            job = ("buffer", self._copy_cuda(sources, layout))
+        elif self._copier is not None:
+            self._pending_copy = self._copier.submit(_put_views, sources)
+            job = ("future", self._pending_copy)
+        else:
+            job = ("ref", _put_views(sources))
+        blocking = time.perf_counter() - t0
+        fut = self._sender.submit(self._send, job, extras, int(step), int(generation), blocking)
+        return SnapshotHandle(int(step), int(generation), fut, blocking)
+
+    def _copy_cuda(self, sources: list[torch.Tensor], layout: ShardLayout) -> _HostBuffer:
+        if not self._buffers:
+            self._buffers = [_HostBuffer(layout) for _ in range(2)]
         buf = self._buffers[self._next]
         self._next = (self._next + 1) % len(self._buffers)
         buf.free.wait()
         buf.free.clear()
-        copied: Future[None] | None = None
-        try:
-            sources = [resolve(flat, layout.items[s.item]) for s in layout.slots]
-            extras = pack_extras(flat, layout)
-            if any(t.device.type == "cuda" for t in sources):
-                self._copy_cuda(sources, buf)
-            elif self._copier is not None:
-                copied = self._copier.submit(_copy_all, buf.views, sources)
-                self._pending_copy = copied
-            else:
-                _copy_all(buf.views, sources)
-        except BaseException:
-            buf.free.set()
-            raise
-        blocking = time.perf_counter() - t0
-        fut = self._sender.submit(self._send, buf, extras, int(step), int(generation), blocking, copied)
-        return SnapshotHandle(int(step), int(generation), fut, blocking)
-
-    def _copy_cuda(self, sources: list[torch.Tensor], buf: _HostBuffer) -> None:
         if self._stream is None:
             self._stream = torch.cuda.Stream()
         current = torch.cuda.current_stream()
@@ -244,6 +258,7 @@ class SnapshotClient:
         with torch.cuda.stream(self._stream):
             for dst, src in zip(buf.views, sources, strict=True):
                 dst.copy_(src, non_blocking=True)
+                src.record_stream(self._stream)
         buf.event = torch.cuda.Event()
         buf.event.record(self._stream)
         # Later kernels (the next optimizer step) must not overwrite what is still being copied;
@@ -251,33 +266,42 @@ class SnapshotClient:
         self._pending_copy = buf.event
         if self._hook is None:
             self.wait_copies()
+        return buf
 
     # ------------------------------------------------------------------ the background part
     def _send(
-        self, buf: _HostBuffer, extras: bytes, step: int, generation: int, blocking: float,
-        copied: Future[None] | None,
-    ) -> SnapshotResult:  # fmt: skip
+        self, job: tuple[str, Any], extras: bytes, step: int, generation: int, blocking: float
+    ) -> SnapshotResult:
         t0 = time.perf_counter()
         res = SnapshotResult(step, generation, self.rank, ok=False, blocking_s=blocking)
+        kind, obj = job
+        offsets: list[int] | None = self._offsets
         try:
-            if copied is not None:
-                copied.result()
-            if buf.event is not None:
-                buf.event.synchronize()
-            ref = ray.put(buf.data.numpy())  # one copy into the object store, shared by both keepers
+            if kind == "buffer":  # CUDA: wait for the D2H copies, then one put of the laid-out buffer
+                try:
+                    obj.event.synchronize()
+                    ref = ray.put(obj.data.numpy())
+                    offsets = None
+                finally:
+                    obj.free.set()
+            elif kind == "future":
+                ref = obj.result()
+            else:
+                ref = obj
         except BaseException as e:
-            buf.free.set()
             res.errors["local"] = f"{type(e).__name__}: {e}"
             log.error("snapshot step %d rank %d: %s", step, self.rank, res.errors["local"])
             return res
-        buf.free.set()
-        res.nbytes = int(buf.data.numel()) + len(extras) + len(self._layout_bytes)
+        assert self._layout is not None
+        total = self._layout.total_bytes
+        res.nbytes = total + len(extras) + len(self._layout_bytes)
         calls = {
             node: self.keepers[node].put_shard.remote(
-                self.job_id, generation, step, self.rank, self.world_size, self._layout_bytes, extras, ref
+                self.job_id, generation, step, self.rank, self.world_size, self._layout_bytes, extras, ref,
+                offsets, total,
             )
             for node in self.targets
-        }
+        }  # fmt: skip
         del ref
         for node, call in calls.items():
             try:
@@ -303,12 +327,6 @@ class SnapshotClient:
         if self._copier is not None:
             self._copier.shutdown(wait=True)
         self._sender.shutdown(wait=True)
-
-
-def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-    with torch.no_grad():
-        for dst, src in zip(dsts, srcs, strict=True):
-            dst.copy_(src)
 
 
 def _short(e: BaseException) -> str:
@@ -389,7 +407,7 @@ def _fetch_iter(
                 raise SnapshotLost(f"job {job_id!r}: keepers did not answer within {timeout_s:.0f}s")
             r, node = pending.pop(done[0])
             try:
-                blob = ray.get(done[0])
+                blob = ray.get(ray.get(done[0])[0])
             except Exception as e:  # noqa: BLE001 - try the other copy
                 log.warning(
                     "rank %d's shard from keeper-%s failed (%s); trying another copy", r, node, _short(e)

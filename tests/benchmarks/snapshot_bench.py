@@ -80,13 +80,17 @@ def throughput(keepers: dict[str, Any], preset: str, blocks: int, per_block: int
     client = SnapshotClient(JOB, 0, 1, "head", keepers, optimizer=trainer.optimizer)
     committer = Committer(keepers)
     times: dict[str, list[float]] = {"none": [], "snap": []}
+    sd_times: list[float] = []  # trainer.state_dict() (get_state_dict), part of the snapshot steps
     pair_ratios: list[float] = []  # per adjacent none/snap block pair: they share the machine's load
 
     def step(mode: str, last_of_block: bool) -> float:
         t0 = time.perf_counter()
         trainer.train_step()
         if mode == "snap":
-            h = client.snapshot(trainer.state_dict(), trainer.step, generation=0)
+            t1 = time.perf_counter()
+            state = trainer.state_dict()
+            sd_times.append(time.perf_counter() - t1)
+            h = client.snapshot(state, trainer.step, generation=0)
             h.add_done_callback(committer.q.put)
             if last_of_block:
                 client.wait_copies()  # charge this block's copy to it, not to the next block
@@ -118,7 +122,8 @@ def throughput(keepers: dict[str, Any], preset: str, blocks: int, per_block: int
           f"mean {mean['none'] * 1e3:.1f} ms)")  # fmt: skip
     print(f"  snapshot/step    {tokens / med['snap']:9.0f} tokens/s (median step {med['snap'] * 1e3:.1f} ms, "
           f"mean {mean['snap'] * 1e3:.1f} ms)")  # fmt: skip
-    print(f"  snapshot call {blocking * 1e3:.1f} ms median; optimizer waited {client.copy_wait_s * 1e3:.0f} ms "
+    print(f"  trainer.state_dict() {statistics.median(sd_times) * 1e3:.1f} ms median; "
+          f"snapshot call {blocking * 1e3:.1f} ms median; optimizer waited {client.copy_wait_s * 1e3:.0f} ms "
           f"in all for copies; background send+acks {send * 1e3:.1f} ms median")  # fmt: skip
     if committer.failed:
         print(f"  NOT COMMITTED: {committer.failed[:3]}")

@@ -4,6 +4,7 @@ own rules, references between objects), and the validation refuses broken copies
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,12 @@ def test_cluster_shape() -> None:
     assert "unbroken serve --address auto" in script and "$KUBERAY_GEN_RAY_START_CMD" in script
     assert head["rayStartParams"]["num-cpus"] == "0"
     assert "nvidia.com/gpu" not in str(head["template"]["spec"]["containers"][0]["resources"])
+    # supervisors go to the CPU group: it carries the resource service/supervisor.py asks for
+    from service.local_cluster import NODE_RESOURCE_PREFIX
+
+    cpu = spec["workerGroupSpecs"][0]
+    assert cpu["groupName"] == "cpu" and cpu["minReplicas"] >= 1
+    assert json.loads(json.loads(cpu["rayStartParams"]["resources"])) == {f"{NODE_RESOURCE_PREFIX}head": 1}
     # an autoscaled GPU group
     gpu = [g for g in spec["workerGroupSpecs"] if "nvidia.com/gpu" in str(g["template"]["spec"]["containers"][0])]
     assert gpu and spec["enableInTreeAutoscaling"] is True
@@ -153,6 +160,8 @@ BROKEN: list[tuple[str, str, str, Callable[[dict[str, Any]], None], str]] = [
      _set("spec.headGroupSpec.rayStartParams.num-cpus", 0), "num-cpus"),
     ("raycluster.yaml", "RayCluster", "overwritten command without ray start",
      _set(f"{GPU}.template.spec.containers.0.args", ["sleep infinity"]), "KUBERAY_GEN_RAY_START_CMD"),
+    ("raycluster.yaml", "RayCluster", "resources not quoted JSON",
+     _set("spec.workerGroupSpecs.0.rayStartParams.resources", '{"unbroken_node_head": 1}'), "resources"),
     ("raycluster.yaml", "RayCluster", "old apiVersion", _set("apiVersion", "ray.io/v1alpha1"), "ray.io/v1"),
     ("rayjob.yaml", "RayJob", "entrypoint not a string", _set("spec.entrypoint", ["unbroken", "run"]), "entrypoint"),
     ("rayjob.yaml", "RayJob", "shutdown flag not a boolean", _set("spec.shutdownAfterJobFinishes", "yes"),

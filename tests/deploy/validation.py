@@ -225,6 +225,13 @@ def kuberay_rules(doc: dict[str, Any]) -> None:
             for k, v in params.items():
                 if not isinstance(v, str):
                     raise ManifestError(f"{where}.rayStartParams.{k}: values must be strings (quote {v!r})")
+            if "resources" in params:
+                try:  # KubeRay passes it to `ray start --resources=...` as a quoted JSON object
+                    res = json.loads(json.loads(params["resources"]))
+                    assert isinstance(res, dict) and all(isinstance(x, int | float) for x in res.values())
+                except (ValueError, TypeError, AssertionError):
+                    raise ManifestError(f"{where}.rayStartParams.resources: write it as a JSON object inside "
+                                        "double quotes, e.g. '\"{\\\"name\\\": 1}\"' in YAML") from None
             if gpath != "headGroupSpec":
                 lo, hi, n = g.get("minReplicas", 0), g.get("maxReplicas"), g.get("replicas", g.get("minReplicas", 0))
                 if hi is not None and not lo <= n <= hi:

@@ -1,0 +1,104 @@
+"""Fault injection on a 4-worker FSDP job (one node, room for exactly four 0.5-CPU workers).
+
+Every fault kind at step 3 ends SUCCEEDED, detected, resized 4 -> 3, never more than one step
+lost, and with the loss of every step equal to the fault-free run's (batch invariance, fp32).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.runtime.jobs import JobRun, assert_no_leaks, assert_same_losses, engine_of, tiny_spec
+
+
+@pytest.fixture(scope="module")
+def reference(head_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """The fault-free run through the supervisor; also checked against the local launcher."""
+    from workers.launcher import run_local
+
+    out = tmp_path_factory.mktemp("ref")
+    run = JobRun(tiny_spec(out / "sup"))
+    st = run.wait()
+    run.finish()
+    assert st["state"] == "SUCCEEDED", run.events
+    rows = run.rows()
+    assert_no_leaks(run.job_id)
+    local = run_local(engine_of(tiny_spec(out / "local")), 4, out / "local", show_progress=False)
+    local_rows = [json.loads(x) for x in Path(local.metrics_path).read_text().splitlines()]
+    assert [r["step"] for r in rows] == [r["step"] for r in local_rows] == list(range(1, 9))
+    for a, b in zip(rows, local_rows, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-6), (a, b)
+        assert a["dp"] == b["dp"] == 4
+    return rows
+
+
+def _check_recovered(run: JobRun, ref: list[dict[str, Any]], *, resizes: list[tuple[int, int]]) -> None:
+    assert run.status["state"] == "SUCCEEDED", run.events
+    assert run.of("failure_detected"), run.kinds()
+    got = [(e["data"]["old_dp"], e["data"]["new_dp"]) for e in run.of("resized")]
+    assert got[: len(resizes)] == resizes, got
+    for ev in run.of("restored"):
+        assert ev["data"]["lost_steps"] <= 1, ev
+        for k in ("detect_s", "reform_s", "restore_s", "replay_s"):
+            assert k in ev["data"]
+    assert_same_losses(run.rows(), ref)
+
+
+FAULTS = {
+    "kill_worker": ({}, "worker_died"),
+    "sigkill_worker": ({}, "worker_died"),
+    "raise_in_step": ({}, "step_error"),
+    "hang_worker": ({"heartbeat_timeout_s": 8}, "hang"),
+    "slow_worker": ({"straggler_action": "replace", "straggler_factor": 3}, "straggler"),
+}
+
+
+@pytest.mark.parametrize("kind", list(FAULTS))
+def test_fault_recovers_with_the_same_losses(kind: str, reference: list[dict[str, Any]], tmp_path: Path) -> None:
+    ft, detected = FAULTS[kind]
+    step = 2 if kind == "slow_worker" else 3
+    chaos = [{"kind": kind, "step": step, "rank": 1, "seconds": 2.0}]
+    run = JobRun(tiny_spec(tmp_path, chaos=chaos, ft=ft))
+    try:
+        run.wait()
+        _check_recovered(run, reference, resizes=[(4, 3)])
+        first = run.of("failure_detected")[0]["data"]
+        assert first["kind"] == detected, run.of("failure_detected")
+        assert first["ranks"] in ([1], []), first  # the culprit, when the failure names one
+    finally:
+        run.finish()
+    assert_no_leaks(run.job_id)
+
+
+def test_two_faults_in_a_row_one_during_recovery(reference: list[dict[str, Any]], tmp_path: Path) -> None:
+    """Rank 1 dies at step 3; rank 0 of the next generation dies right after the restore, before
+    its first step (a fault during recovery): 4 -> 3 -> 2, the same losses."""
+    chaos = [
+        {"kind": "kill_worker", "step": 3, "rank": 1, "generation": 0},
+        {"kind": "sigkill_worker", "step": 3, "rank": 0, "generation": 1},
+    ]
+    run = JobRun(tiny_spec(tmp_path, chaos=chaos))
+    try:
+        run.wait()
+        _check_recovered(run, reference, resizes=[(4, 3), (3, 2)])
+        assert len(run.of("failure_detected")) >= 2
+    finally:
+        run.finish()
+    assert_no_leaks(run.job_id)
+
+
+def test_2d_fsdp_tp_loses_a_whole_replica(reference: list[dict[str, Any]], tmp_path: Path) -> None:
+    """fsdp2 x tp2: losing one worker drops its whole tp pair (dp 2 -> 1, world 4 -> 2)."""
+    run = JobRun(tiny_spec(tmp_path, dp=2, tp=2, chaos=[{"kind": "kill_worker", "step": 3, "rank": 1}]))
+    try:
+        run.wait()
+        _check_recovered(run, reference, resizes=[(2, 1)])
+        gens = run.of("generation")
+        assert gens[0]["data"]["world_size"] == 4 and gens[1]["data"]["world_size"] == 2
+    finally:
+        run.finish()
+    assert_no_leaks(run.job_id)

@@ -198,6 +198,9 @@ class ParallelDims:
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """The world mesh with its flattened sub-meshes; a collective: call on every rank."""
+        from parallel.dist import reset_dtensor_caches
+
+        reset_dtensor_caches()  # a re-formed group's meshes equal the old ones: drop stale cache hits
         mesh = init_device_mesh(device_type, self.mesh_shape(), mesh_dim_names=self.mesh_dim_names())
         shard = ("dp_shard_mod_ep", "dp_shard_in_ep") if self.ep > 1 else ("dp_shard",)
         self._flat = {}

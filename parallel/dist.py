@@ -41,6 +41,26 @@ def make_store(host: str, port: int, world: int, is_master: bool, timeout_s: flo
     )
 
 
+def reset_dtensor_caches() -> None:
+    """Forget DTensor's cached sharding decisions, which hold DeviceMesh objects.
+
+    A DeviceMesh compares equal to another over the same ranks with the same dim names, whatever
+    process groups are behind it; DTensor's sharding-propagation caches are keyed that way. After
+    a group is destroyed and re-formed in the same process, a cache hit would hand back the old
+    mesh, whose group names are dead or (worse) name another group of the new world. Called
+    whenever a group is formed or left and whenever a mesh is built.
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._sharding_prop import LocalLRUCache
+
+    prop = DTensor._op_dispatcher.sharding_propagator
+    # A new thread-local cache object: clears every thread's Python cache, not only this one's.
+    prop.propagate_op_sharding = LocalLRUCache(prop.propagate_op_sharding_non_cached)
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_native is not None:  # the C++ fast path's cache (this thread's)
+        clear_native()
+
+
 def init_process_group(
     rank: int,
     world: int,
@@ -54,6 +74,7 @@ def init_process_group(
     device = torch.device(device) if device is not None else default_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    reset_dtensor_caches()
     dist.init_process_group(
         backend=backend_for(device), store=store, rank=rank, world_size=world,
         timeout=timedelta(seconds=timeout_s),
@@ -63,4 +84,5 @@ def init_process_group(
 def destroy_process_group() -> None:
     """Leave the group (if any); safe to call twice."""
     if dist.is_available() and dist.is_initialized():
+        reset_dtensor_caches()
         dist.destroy_process_group()

@@ -20,10 +20,14 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) ->
     for p in model.parameters():
         if p.requires_grad:
             (decay if p.ndim >= 2 else no_decay).append(p)
-    groups = [g for g in (
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ) if g["params"]]
+    groups = []
+    for params, wd in ((decay, cfg.weight_decay), (no_decay, 0.0)):
+        # foreach/fused kernels refuse a list mixing DTensors and plain tensors (e.g. TP without
+        # FSDP leaves replicated MoE layers plain): split such a group in two. Layouts without
+        # the mix keep the usual two groups, so their optimizer states stay interchangeable.
+        dtensors = [p for p in params if isinstance(p, DTensor)]
+        plain = [p for p in params if not isinstance(p, DTensor)]
+        groups += [{"params": part, "weight_decay": wd} for part in (dtensors, plain) if part]
     fused = device.type == "cuda"
     return torch.optim.AdamW(
         groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=fused, foreach=None if fused else True

@@ -9,7 +9,8 @@ columns; with loss parallelism its logits stay a vocab-sharded DTensor (Shard(-1
 is computed under `loss_parallel()` without gathering them.
 
 The model reads head counts from tensor shapes (`view(..., -1, head_dim)`), so local heads
-need no change; GQA's repeat factor n_heads/n_kv_heads is the same locally.
+need no change; GQA's repeat factor n_heads/n_kv_heads is the same locally. MoE feed-forwards
+are not split by tp: they run replicated on the gathered sequence (`parallel.ep.moe_tp_plan`).
 """
 
 from __future__ import annotations
@@ -68,9 +69,13 @@ def apply_tp(
             plan["attention_norm"] = SequenceParallel()
             plan["ffn_norm"] = SequenceParallel()
         if getattr(block, "moe_enabled", False):
-            raise NotImplementedError(
-                "tensor parallelism of MoE layers belongs to parallel.ep; use tp: 1 with a MoE model"
-            )
+            # A MoE layer runs replicated over tp on the gathered sequence (its experts are split
+            # by expert parallelism instead); parallel.ep owns that plan.
+            from parallel.ep import moe_tp_plan
+
+            plan.update(moe_tp_plan(act))
+            parallelize_module(block, tp_mesh, plan)
+            continue
         plan.update({
             "feed_forward": PrepareModuleInput(input_layouts=(act,), desired_input_layouts=(Replicate(),)),
             "feed_forward.w1": ColwiseParallel(),

@@ -137,3 +137,27 @@ def test_dp_rank_layout(fake_world: Any) -> None:
     mesh = d.build_mesh("cpu")
     assert d.dp_rank(mesh) == 2
     assert d.fsdp_mesh(mesh).mesh_dim_names == ("dp_replicate", "dp_shard_cp")
+
+
+def _tp_sum_mesh(d: ParallelDims) -> tuple[Any, Any]:
+    """Build d's mesh and run one DTensor op on its tp dim; returns (tp mesh, the result's mesh)."""
+    import torch
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = d.build_mesh("cpu")
+    tp = d.get_mesh(mesh, "tp")
+    x = distribute_tensor(torch.ones(4, 4), tp, [Shard(0)])
+    return tp, (x + x).device_mesh
+
+
+def test_reformed_group_gets_no_stale_mesh(fake_world: Any) -> None:
+    """A re-formed group's tp mesh equals the old one (same ranks, same name); DTensor's sharding
+    cache must not hand back the old mesh, whose process groups are gone. (Without
+    `reset_dtensor_caches` in build_mesh the result's mesh is the old one: checked by hand.)"""
+    fake_world(4)
+    old_tp, _ = _tp_sum_mesh(dims(4, tp=2))
+    dist.destroy_process_group()
+    fake_world(4)
+    new_tp, result_mesh = _tp_sum_mesh(dims(4, tp=2, ep=2))  # another mesh structure, same tp ranks
+    assert new_tp == old_tp and new_tp is not old_tp
+    assert result_mesh is new_tp

@@ -139,6 +139,7 @@ class Supervisor:
         self._recovery: dict[str, Any] | None = None
         self._pausing: int | None = None
         self._metrics_log: Any = None
+        self._last_row: dict[str, Any] | None = None
         self.keepers: dict[str, Any] = {}
         self._acks: dict[tuple[int, int], dict[str, Any]] = {}  # (generation, step) -> rank -> ok
         self.committed: tuple[int, int] | None = None  # the newest committed snapshot (generation, step)
@@ -200,7 +201,8 @@ class Supervisor:
                 "total_steps": self.spec.training.steps, "recoveries": self.recoveries, "reason": self.reason,
                 "done": self._done.is_set(),
                 "workers": [s.name for r in self.replicas.values() for s in r.slots if r.state == "active"],
-                "restarted": self.restarted,
+                "restarted": self.restarted, "last_metrics": self._last_row,
+                "output_dir": str(self.output_dir),
             }
 
     def events(self, after: int = 0) -> list[dict[str, Any]]:
@@ -253,6 +255,7 @@ class Supervisor:
             return
         for r in rows:
             self._metrics_log.write(r)
+        self._last_row = rows[-1]
         if self.store is not None:
             with contextlib.suppress(Exception):
                 self.store.add_metrics(self.job_id, rows)

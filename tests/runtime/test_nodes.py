@@ -1,0 +1,75 @@
+"""Node loss on a 3-node cluster: the head runs no workers; nodes b and c hold two workers each.
+
+kill_node on rank 0 SIGKILLs its node's raylet (whichever of b, c it is): the job shrinks 4 -> 2;
+a node added later lets it grow back to 4 at a snapshot boundary, with the fault-free losses.
+Then, with dp.min = 4, a node loss leaves the job below its minimum: it waits, fails with a
+clear reason and releases everything.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from service.local_cluster import LocalCluster
+from tests.runtime.conftest import make_cluster
+from tests.runtime.jobs import JobRun, assert_no_leaks, assert_same_losses, tiny_spec
+
+STEPS = 60
+SLOW = [{"kind": "slow_worker", "step": 0, "rank": r, "seconds": 0.4} for r in range(4)]  # time to grow
+
+
+@pytest.fixture(scope="module")
+def nodes_cluster() -> Iterator[LocalCluster]:
+    yield from make_cluster(0, {"b": 1, "c": 1})
+
+
+def test_node_loss_shrinks_then_a_new_node_grows_it_back(nodes_cluster: LocalCluster, tmp_path: Path) -> None:
+    ref_run = JobRun(tiny_spec(tmp_path / "ref", steps=STEPS))
+    ref_run.wait()
+    ref_run.finish()
+    assert ref_run.status["state"] == "SUCCEEDED", ref_run.events
+    ref = ref_run.rows()
+
+    chaos = [*SLOW, {"kind": "kill_node", "step": 3, "rank": 0}]
+    run = JobRun(tiny_spec(tmp_path / "job", steps=STEPS, chaos=chaos))
+    added: list[float] = []
+
+    def on_event(ev: dict[str, Any]) -> None:
+        if ev["kind"] == "resized" and ev["data"]["new_dp"] == 2 and not added:
+            nodes_cluster.add_node("d", num_cpus=1)  # capacity returns
+            added.append(time.time())
+
+    try:
+        run.wait(timeout_s=600, on_event=on_event)
+        assert run.status["state"] == "SUCCEEDED", run.events
+        first = run.of("failure_detected")[0]["data"]
+        assert first["kind"] in ("node_died", "worker_died", "collective_error"), first
+        resizes = [(e["data"]["old_dp"], e["data"]["new_dp"]) for e in run.of("resized")]
+        assert resizes[:2] == [(4, 2), (2, 4)], resizes
+        assert run.of("resized")[1]["data"]["cause"] == "growth"
+        for ev in run.of("restored"):
+            assert ev["data"]["lost_steps"] <= 1, ev
+        assert_same_losses(run.rows(), ref)
+    finally:
+        run.finish()
+    assert_no_leaks(run.job_id)
+
+
+def test_below_dp_min_waits_then_fails_and_releases(nodes_cluster: LocalCluster, tmp_path: Path) -> None:
+    chaos = [*SLOW, {"kind": "kill_node", "step": 2, "rank": 0}]
+    run = JobRun(tiny_spec(tmp_path, steps=STEPS, dp_min=4, chaos=chaos, ft={"wait_for_capacity_s": 3}))
+    try:
+        run.wait(timeout_s=400)
+        assert run.status["state"] == "FAILED", run.events
+        reason = run.status["reason"]
+        assert "below dp.min=4" in reason and "wait_for_capacity_s=3" in reason, reason
+        assert run.of("waiting_for_capacity")
+        assert run.of("released")
+    finally:
+        run.finish()
+    assert_no_leaks(run.job_id)

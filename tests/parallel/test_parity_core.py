@@ -36,6 +36,7 @@ TIED_WEIGHT_TOL = 1e-3
 BF16_TOL = 1e-2
 
 AC = ("none", "full")
+MOE: dict[str, Any] = {"preset": "mixtral-tiny"}
 LAYOUTS: list[dict[str, Any]] = (
     [dict(name=f"fsdp2-{ac}", world=2, training={"activation_checkpointing": ac}) for ac in AC]
     + [dict(name=f"tp2-{ac}", world=2, parallelism={"tp": 2}, training={"activation_checkpointing": ac})
@@ -58,6 +59,10 @@ LAYOUTS: list[dict[str, Any]] = (
         # Tied embeddings: under TP the row-wise embedding and column-wise output share one DTensor.
         dict(name="tp2-tied", world=2, parallelism={"tp": 2}, model={"tie_embeddings": True}),
         dict(name="fsdp2xtp2-tied", world=4, parallelism={"tp": 2}, model={"tie_embeddings": True}),
+        # MoE blocks under TP run replicated on the gathered sequence (parallel.ep.moe_tp_plan);
+        # without FSDP their plain parameters sit beside DTensors in the optimizer.
+        dict(name="tp2-moe", world=2, parallelism={"tp": 2}, model=MOE),
+        dict(name="fsdp2xtp2-moe", world=4, parallelism={"tp": 2}, model=MOE),
     ]
 )
 # dp 4 -> 2 -> 1 (a group of one: plain tensors, no FSDP) -> 3 (padding: 8 rows over 3 ranks)
@@ -85,6 +90,11 @@ def ref_tied() -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
 
 
 @pytest.fixture(scope="module")
+def ref_moe() -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
+    return reference(model=MOE)
+
+
+@pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     ckpt = tmp_path_factory.mktemp("elastic")
     payload = {
@@ -100,9 +110,11 @@ def max_diff(a: list[float], b: list[float]) -> float:
 
 
 @pytest.mark.parametrize("name", [lay["name"] for lay in LAYOUTS if "bf16" not in lay["name"]])
-def test_fp32_layout_matches_single_process(name: str, runs: dict[str, Any], ref: Any, ref_tied: Any) -> None:
+def test_fp32_layout_matches_single_process(
+    name: str, runs: dict[str, Any], ref: Any, ref_tied: Any, ref_moe: Any
+) -> None:
     tied = name.endswith("-tied")
-    ref_losses, ref_weights, ref_norms = ref_tied if tied else ref
+    ref_losses, ref_weights, ref_norms = ref_tied if tied else ref_moe if name.endswith("-moe") else ref
     got = runs["parity"][name]
     assert max_diff(got["losses"], ref_losses) <= FP32_TOL, (got["losses"], ref_losses)
     # The reported grad norm is the whole model's, over every shard; clipping (at 1.0) acts on

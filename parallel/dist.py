@@ -59,6 +59,13 @@ def reset_dtensor_caches() -> None:
     clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
     if clear_native is not None:  # the C++ fast path's cache (this thread's)
         clear_native()
+    # Process-wide caches keyed by specs (which hold meshes): tensor metadata and redistribution plans.
+    from torch.distributed.tensor import _redistribute
+
+    for cached in (getattr(prop, "_propagate_tensor_meta_cached", None),
+                   getattr(_redistribute, "_gen_transform_infos", None)):
+        if cached is not None and hasattr(cached, "cache_clear"):
+            cached.cache_clear()
 
 
 def init_process_group(

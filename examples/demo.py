@@ -426,8 +426,9 @@ def _run(args: argparse.Namespace, steps: int, kill: int, console: Console, run_
 
     def stop_s3() -> None:
         pid = s3.proc.pid if s3.proc is not None else None
+        t = time.monotonic()
         s3.stop()
-        console.print(f"  S3 server stopped (pid {pid})")
+        console.print(f"  S3 server stopped (pid {pid}) [dim]({time.monotonic() - t:.1f}s)[/dim]")
 
     stack.callback(stop_s3)
     _step(console, "SeaweedFS ready", s3.start)
@@ -448,16 +449,18 @@ def _run(args: argparse.Namespace, steps: int, kill: int, console: Console, run_
     scheduler = Scheduler(store, interval_s=0.5, liveness_every_s=2.0)
 
     def stop_scheduler() -> None:
+        t = time.monotonic()
         scheduler.stop()
-        console.print("  scheduler stopped")
+        console.print(f"  scheduler stopped [dim]({time.monotonic() - t:.1f}s)[/dim]")
 
     stack.callback(stop_scheduler)
     scheduler.start()
     server = BackgroundServer(create_app(store, scheduler))
 
     def stop_server() -> None:
+        t = time.monotonic()
         server.stop()
-        console.print(f"  API server stopped ({server.url})")
+        console.print(f"  API server stopped ({server.url}) [dim]({time.monotonic() - t:.1f}s)[/dim]")
 
     stack.callback(stop_server)
     _step(console, "API server up", server.start)

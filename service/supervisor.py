@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import signal
+import socket
 import threading
 import time
 import traceback
@@ -272,7 +275,12 @@ class Supervisor:
 
         try:
             self.output_dir.mkdir(parents=True, exist_ok=True)
-            self._metrics_log = MetricsLog(self.output_dir / "metrics.jsonl", truncate=not self.restarted)
+            metrics_path = self.output_dir / "metrics.jsonl"
+            if self.restarted and metrics_path.exists():  # go on after the rows already written
+                from workers.metrics_log import read_metrics
+
+                self._last_row_step = max([int(r["step"]) for r in read_metrics(metrics_path)] + [0])
+            self._metrics_log = MetricsLog(metrics_path, truncate=not self.restarted)
             if self.restarted:
                 self._event("supervisor_restarted", "the supervisor restarted; finding the job's workers")
                 self._adopt()
@@ -448,7 +456,7 @@ class Supervisor:
                 self._next_worker = max(self._next_worker, int(name.rsplit("-", 1)[1]) + 1)
         last_gen = max([int(s.info["generation"]) for s in slots if s.info] + [0])
         for s in slots:
-            s.handle.abort.remote(10**9)
+            s.handle.abort.remote(last_gen)  # stop the generation the crashed instance ran
         deadline = time.monotonic() + self.ft.collective_timeout_s + 10
         while time.monotonic() < deadline:
             phases = []
@@ -461,7 +469,6 @@ class Supervisor:
             if all(p in ("idle", "finished") for p in phases):
                 break
             time.sleep(0.2)
-        release_job_groups(self.job_id)  # reservations are re-made for what survives
         by_rep: dict[int, list[Slot]] = {}
         for s in slots:
             if s.dead is None and s.info is not None and s.info["phase"] in ("idle", "finished"):
@@ -469,13 +476,26 @@ class Supervisor:
             else:
                 with contextlib.suppress(Exception):
                     ray.kill(s.handle, no_restart=True)
+        from ray.util import get_placement_group
+
+        from service.placement import ReplicaReservation, job_placement_groups, replica_pg_name
+
         for idx, group in sorted(by_rep.items()):
-            rep = Replica(idx, None, sorted(group, key=lambda s: s.local), state="ready")
+            res = None
+            with contextlib.suppress(Exception):  # the replica's detached group, found by name
+                pg = get_placement_group(replica_pg_name(self.job_id, idx))
+                res = ReplicaReservation(idx, pg, pg.ready())
+            rep = Replica(idx, res, sorted(group, key=lambda s: s.local), state="ready")
             if len(group) != self.mp:
                 self._drop_replica(rep, "incomplete replica after a supervisor restart")
                 continue
             self.replicas[idx] = rep
             self._next_replica = max(self._next_replica, idx + 1)
+        kept = {replica_pg_name(self.job_id, i) for i in self.replicas}
+        for info in job_placement_groups(self.job_id):  # reservations without live workers
+            if info.get("name") not in kept:
+                with contextlib.suppress(Exception):
+                    release(get_placement_group(info["name"]))
         self._event("adopted", f"found {sum(len(r.slots) for r in self.replicas.values())} live worker(s) "
                     f"of generation {last_gen}", generation=last_gen)
         self.generation = last_gen
@@ -536,6 +556,13 @@ class Supervisor:
 
     def _restore_target(self) -> dict[str, Any]:
         self._commit_snapshots()
+        if self.committed is None and self.keepers:  # e.g. after our own restart: ask the keepers
+            from checkpointing.keeper import committed_snapshots
+
+            with contextlib.suppress(Exception):
+                ids = committed_snapshots(self.keepers, self.job_id)
+                if ids:
+                    self.committed = (int(ids[-1][0]), int(ids[-1][1]))
         if self.committed is None:
             return {"step": None, "generation": None}
         return {"generation": self.committed[0], "step": self.committed[1]}
@@ -722,6 +749,7 @@ class Supervisor:
                 s.dead = "failed"
             with contextlib.suppress(Exception):
                 ray.kill(s.handle, no_restart=True)  # a hung worker's sockets close: its peers fail fast
+            _sigkill_if_local(s)
         for s in slots:
             if s.dead is None:
                 with contextlib.suppress(Exception):
@@ -888,6 +916,18 @@ class Supervisor:
 
 class _Cancelled(Exception):
     pass
+
+
+def _sigkill_if_local(s: Slot) -> None:
+    """A SIGSTOPped worker answers no RPC, so Ray's kill may take long: SIGKILL it by PID when it is
+    on this host (same hostname and Ray node IP), at once."""
+    info = s.info or {}
+    if not info.get("pid") or info.get("hostname") != socket.gethostname():
+        return
+    if info.get("node_ip") not in (None, ray.util.get_node_ip_address()):
+        return
+    with contextlib.suppress(OSError):
+        os.kill(int(info["pid"]), signal.SIGKILL)
 
 
 def _first_line(e: Any) -> str:

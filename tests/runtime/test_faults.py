@@ -7,6 +7,7 @@ lost, and with the loss of every step equal to the fault-free run's (batch invar
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +100,86 @@ def test_2d_fsdp_tp_loses_a_whole_replica(reference: list[dict[str, Any]], tmp_p
         _check_recovered(run, reference, resizes=[(2, 1)])
         gens = run.of("generation")
         assert gens[0]["data"]["world_size"] == 4 and gens[1]["data"]["world_size"] == 2
+    finally:
+        run.finish()
+    assert_no_leaks(run.job_id)
+
+
+def test_store_path_reports_status_events_metrics_and_cancel(reference: list[dict[str, Any]], tmp_path: Path) -> None:
+    """Through the job store (the control plane's path): statuses, events with timestamps, one metrics
+    row a step; a second job is cancelled through the supervisor and releases everything."""
+    from service.store import JobStore
+    from service.supervisor import launch_supervisor
+
+    store = JobStore(f"sqlite:///{tmp_path / 'jobs.db'}")
+    spec = tiny_spec(tmp_path / "a", chaos=[{"kind": "kill_worker", "step": 3, "rank": 2}])
+    rec, _ = store.create_job(spec, "alice", min_world=1, max_world=4)
+    assert store.mark_admitted(rec.id)
+    launch_supervisor(rec.id, spec, store_url=store.url)
+    _wait_terminal(store, rec.id)
+    _wait_gone(rec.id)
+    job = store.get_job(rec.id)
+    assert job is not None and job.status == "SUCCEEDED", [(e.kind, e.message) for e in store.events(rec.id)]
+    kinds = [e.kind for e in store.events(rec.id)]
+    for k in ("started", "failure_detected", "resized", "restored", "finished", "released"):
+        assert k in kinds, kinds
+    statuses = [e.message.split(":")[0] for e in store.events(rec.id) if e.kind == "status"]
+    assert statuses[:3] == ["RUNNING", "RECOVERING", "RUNNING"] and statuses[-1] == "SUCCEEDED", statuses
+    assert_same_losses(sorted(store.metrics(rec.id), key=lambda r: r["step"]), reference)
+    assert_no_leaks(rec.id)
+
+    spec2 = tiny_spec(tmp_path / "b", steps=10_000)
+    rec2, _ = store.create_job(spec2, "alice", min_world=1, max_world=4)
+    handle = launch_supervisor(rec2.id, spec2, store_url=store.url)
+    while not store.metrics(rec2.id):
+        time.sleep(0.5)
+    handle.cancel.remote()
+    _wait_terminal(store, rec2.id)
+    job2 = store.get_job(rec2.id)
+    assert job2 is not None and job2.status == "CANCELLED"
+    _wait_gone(rec2.id)  # with a store the supervisor exits by itself
+    assert_no_leaks(rec2.id)
+
+
+def _wait_gone(job_id: str) -> None:
+    from service.supervisor import find_supervisor
+
+    deadline = time.monotonic() + 60
+    while find_supervisor(job_id) is not None and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert find_supervisor(job_id) is None
+
+
+def _wait_terminal(store: Any, job_id: str, timeout_s: float = 400) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        job = store.get_job(job_id)
+        if job is not None and job.terminal:
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"job {job_id} not finished: {[(e.kind, e.message) for e in store.events(job_id)]}")
+
+
+def test_supervisor_crash_is_survived(reference: list[dict[str, Any]], tmp_path: Path) -> None:
+    """The supervisor's process dies mid-run: Ray restarts it, it finds its workers by name and goes
+    on from the last committed snapshot, with the same losses."""
+    import ray
+
+    run = JobRun(tiny_spec(tmp_path, steps=8, chaos=[{"kind": "slow_worker", "step": 0, "rank": r, "seconds": 0.5}
+                                                      for r in range(4)]))
+    try:
+        while not any(e["kind"] == "generation" for e in run.poll()):
+            time.sleep(0.3)
+        while (ray.get(run.handle.status.remote()).get("step") or 0) < 2:
+            time.sleep(0.2)
+        ray.kill(run.handle, no_restart=False)
+        time.sleep(1.0)
+        run.events = []  # the restarted supervisor's list starts afresh
+        run.wait()
+        assert run.status["state"] == "SUCCEEDED", run.events
+        assert run.status["restarted"]
+        assert "adopted" in run.kinds()
+        assert_same_losses(run.rows(), reference)
     finally:
         run.finish()
     assert_no_leaks(run.job_id)

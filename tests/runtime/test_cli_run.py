@@ -1,0 +1,51 @@
+"""`unbroken run job.yaml`: an embedded cluster, a worker killed at step 3, events streamed, exit 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from tests.runtime.jobs import TINY_MODEL
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_unbroken_run_recovers_and_streams_events(tmp_path: Path) -> None:
+    job = {
+        "name": "cli-run",
+        "model": TINY_MODEL,
+        "training": {"steps": 6, "seq_len": 16, "global_batch_size": 8, "output_dir": "out"},
+        "parallelism": {"dp_shard": 4},
+        "resources": {"cpus_per_worker": 0.5},
+        "fault_tolerance": {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 20},
+        "checkpoint": {"persist_every": 0},
+        "chaos": [{"kind": "kill_worker", "step": 3, "rank": 3}],
+    }
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", "from api.cli import main; main()", "run", "job.yaml", "--num-cpus", "2",
+         "--no-progress"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for kind in ("started", "failure_detected", "resized", "restored", "finished", "released"):
+        assert kind in proc.stderr, (kind, proc.stderr[-3000:])
+    assert "SUCCEEDED" in proc.stderr
+    rows = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert [r["dp"] for r in rows] == [4, 4, 4, 3, 3, 3]
+
+
+def test_unbroken_run_refuses_a_bad_job_file(tmp_path: Path) -> None:
+    (tmp_path / "job.yaml").write_text("resources: {dp: {min: 3, max: 2}}\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", "from api.cli import main; main()", "run", "job.yaml"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "dp.max=2 is below dp.min=3" in proc.stderr

@@ -45,6 +45,15 @@ _LINGER_S = 600.0  # without a store, stay readable this long after the end (or 
 _START_GRACE_S = 2.0
 
 
+def rank_of(replica_pos: int, local: int, dp: int, cp_tp: int) -> int:
+    """The global rank of a replica's `local`-th worker, for the mesh order pp, dp, cp, tp.
+
+    A replica is one model-parallel group (tp x pp x cp workers, placed together): its workers share
+    the dp coordinate `replica_pos`; local // cp_tp is their pp stage, local % cp_tp their cp x tp place.
+    """
+    return (local // cp_tp) * (dp * cp_tp) + replica_pos * cp_tp + (local % cp_tp)
+
+
 def supervisor_name(job_id: str) -> str:
     return f"job-{job_id}/supervisor"
 
@@ -574,7 +583,7 @@ class Supervisor:
         for d, rep in enumerate(reps):
             rep.state = "active"
             for s in rep.slots:
-                s.rank = (s.local // self.cp_tp) * (dp * self.cp_tp) + d * self.cp_tp + (s.local % self.cp_tp)
+                s.rank = rank_of(d, s.local, dp, self.cp_tp)
                 s.result = None
                 s.run_ref = None
                 slots.append(s)

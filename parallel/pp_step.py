@@ -37,6 +37,27 @@ class StageView(nn.Module):
         raise RuntimeError("a pipeline rank's StageView is not callable; run Pipeline.step")
 
 
+class StagePositions(nn.Module):
+    """Calls a stage with the global positions of the tokens it holds.
+
+    A stage sees only its input tensor, so it cannot tell the sequence length it belongs to:
+    with sequence parallelism hidden states between stages are sequence shards (tp of them), and
+    with context parallelism every rank holds a zigzag shard of each sequence.
+    """
+
+    def __init__(self, part: nn.Module, sp_degree: int, cp_rank: int, cp: int) -> None:
+        super().__init__()
+        self.part = part
+        self.sp_degree, self.cp_rank, self.cp = sp_degree, cp_rank, cp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from parallel.cp import cp_positions
+
+        n = x.shape[1] * (self.sp_degree if x.dim() == 3 else 1)  # hidden states: a tp shard
+        positions = cp_positions(n * self.cp, self.cp_rank, self.cp) if self.cp > 1 else torch.arange(n)
+        return self.part(x, positions=positions.to(x.device))
+
+
 def build_pipeline(
     model: nn.Module,
     trainer: Any,
@@ -45,17 +66,31 @@ def build_pipeline(
 ) -> tuple[Pipeline, StageView]:
     """Cut the meta `model` into this rank's stages, parallelise each, build the schedule."""
     cfg, dims, mesh = trainer.cfg, trainer.dims, trainer.mesh
+    p = cfg.parallelism
     local_bs = dims.local_batch_size(cfg.training.global_batch_size)
-    pipe = apply_pp(model, cfg.model, cfg.parallelism, mesh["pp"], trainer.device, loss_fn, local_bs, parallelize)
+    sp = dims.tp if dims.tp_enabled and p.sequence_parallel else 1
+    cp_rank = dims.get_mesh(mesh, "cp").get_local_rank() if dims.cp_enabled else 0
+
+    def wrap(part: nn.Module) -> nn.Module:
+        return StagePositions(part, sp, cp_rank, dims.cp)
+
+    pipe = apply_pp(model, cfg.model, p, dims.get_mesh(mesh, "pp"), trainer.device, loss_fn, local_bs,
+                    parallelize, wrap)
     return pipe, StageView(pipe.parts)
 
 
 def pipeline_step(pipe: Pipeline, micro: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
-                  pp_group: dist.ProcessGroup) -> torch.Tensor:
+                  pp_group: dist.ProcessGroup, cp_rank: int = 0, cp: int = 1) -> torch.Tensor:
     """One step over this dp rank's rows (all its micro-batches joined: the schedule re-cuts
-    them into pp_microbatches). Returns the sum of what the loss function returned, on every pp rank."""
-    inputs = torch.cat([x for x, _ in micro]).to(device, non_blocking=True)
-    targets = torch.cat([y for _, y in micro]).to(device, non_blocking=True)
+    them into pp_microbatches), each sequence cut to this rank's zigzag shard when cp > 1.
+    Returns the sum of what the loss function returned, on every pp rank."""
+    inputs = torch.cat([x for x, _ in micro])
+    targets = torch.cat([y for _, y in micro])
+    if cp > 1:
+        from parallel.cp import shard_sequence
+
+        inputs, targets = shard_sequence(inputs, cp_rank, cp), shard_sequence(targets, cp_rank, cp)
+    inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
     total = pipe.step(inputs, targets)
     dist.all_reduce(total, group=pp_group)  # only the last stage's rank holds the losses
     return total

@@ -31,6 +31,7 @@ from parallel.config import EngineConfig
 from parallel.cp import apply_cp, shard_batch
 from parallel.data import DataLoader
 from parallel.dims import ParallelDims
+from parallel.dtensor_cache import clear_dtensor_caches
 from parallel.ep import apply_ep, apply_expert_fsdp, expert_fsdp_mesh
 from parallel.fsdp import apply_fsdp, needs_sync_toggle
 from parallel.loss import loss_context, token_loss_sum
@@ -66,6 +67,7 @@ class Trainer:
         world = pdist.world_size()
         self.dims = ParallelDims.from_config(cfg.parallelism, world)
         self.dims.validate(cfg.model, cfg.training, cfg.parallelism)
+        clear_dtensor_caches()  # a re-formed group must not meet plans cached for the old one
         self.mesh: DeviceMesh | None = self.dims.build_mesh(self.device.type) if world > 1 else None
         self.dp_rank = self.dims.dp_rank(self.mesh)
         t = cfg.training
@@ -166,7 +168,8 @@ class Trainer:
             assert self.mesh is not None
             with loss_context(self._loss_parallel), self._autocast():
                 pp_group = self.dims.get_mesh(self.mesh, "pp").get_group()
-                loss_sum += pipeline_step(self.pipeline, micro, self.device, pp_group)
+                cp_rank = self.dims.get_mesh(self.mesh, "cp").get_local_rank() if self.dims.cp_enabled else 0
+                loss_sum += pipeline_step(self.pipeline, micro, self.device, pp_group, cp_rank, self.dims.cp)
             loss_sum /= self._grad_scale
             micro = []
         for i, (inputs, targets) in enumerate(micro):

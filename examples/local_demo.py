@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_spec_file(JOB_FILE, cls=EngineConfig)
         cfg.data.path = str(corpus)
         if args.steps is not None:
+            cfg.training.warmup_steps = min(cfg.training.warmup_steps, args.steps)  # first: checked on assignment
             cfg.training.steps = args.steps
         print(
             f"job: {JOB_FILE.name}: model {cfg.model.preset} ({cfg.model.dim} dim, {cfg.model.n_layers} layers), "

@@ -257,8 +257,9 @@ class SnapshotClient:
         self._stream.wait_stream(current)  # the copies see the finished optimizer step
         with torch.cuda.stream(self._stream):
             for dst, src in zip(buf.views, sources, strict=True):
-                dst.copy_(src, non_blocking=True)
-                src.record_stream(self._stream)
+                dst.copy_(src, non_blocking=src.is_cuda)  # CPU entries (e.g. RNG state) copy at once
+                if src.is_cuda:
+                    src.record_stream(self._stream)
         buf.event = torch.cuda.Event()
         buf.event.record(self._stream)
         # Later kernels (the next optimizer step) must not overwrite what is still being copied;
@@ -315,6 +316,17 @@ class SnapshotClient:
             log.error("snapshot step %d rank %d not held everywhere: %s", step, self.rank, res.errors)
         self.last_result = res
         return res
+
+    def abandon(self) -> None:
+        """After a failure: remove the optimizer hook and stop the threads without waiting (sends in
+        flight finish or fail on their own; their snapshots simply never get committed)."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self._pending_copy = None
+        if self._copier is not None:
+            self._copier.shutdown(wait=False, cancel_futures=True)
+        self._sender.shutdown(wait=False, cancel_futures=True)
 
     def close(self) -> None:
         """Wait for the snapshots in flight, stop the threads, remove the optimizer hook."""

@@ -66,6 +66,21 @@ def _keepers_alone(keepers: dict[str, ray.actor.ActorHandle]) -> None:
     assert latest_committed(keepers, "fenced") == 7
     cl.close()
 
+    # The optimizer hook: the copy (started by snapshot) finishes before optimizer.step() changes
+    # the parameter; abandon() (a worker's failure path) removes the hook and returns at once.
+    w = torch.nn.Parameter(torch.ones(1000))
+    opt = torch.optim.SGD([w], lr=1.0)
+    hooked = SnapshotClient("fenced", 0, 1, "head", keepers, optimizer=opt)
+    handle = hooked.snapshot({"w": w}, step=8, generation=3)
+    w.grad = torch.ones(1000)
+    opt.step()  # w becomes 0 only after the snapshot's copy of the ones
+    assert handle.result(timeout=60).ok and commit_snapshot(keepers, "fenced", 3, 8, 1)
+    got = {"w": torch.full((1000,), 5.0)}
+    restore_from_keepers(keepers, "fenced", got)
+    assert torch.equal(got["w"], torch.ones(1000)) and torch.equal(w.detach(), torch.zeros(1000))
+    hooked.abandon()
+    opt.step()
+
     # drop_job frees everything the job held.
     reports = memory_reports(keepers)
     assert all(r["used_bytes"] > 0 and "fenced" in r["jobs"] for r in reports.values()), reports

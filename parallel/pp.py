@@ -160,13 +160,11 @@ def build_schedule(
     device: torch.device,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     local_batch_size: int,
-    wrap: Callable[[nn.Module], nn.Module] | None = None,
 ) -> Pipeline:
     """Wrap the (already parallelised and initialised) stage modules and build the schedule.
 
     `loss_fn(output, target)` is what each micro-batch backpropagates; gradients are not
-    rescaled by the schedule (it should already carry the global normalisation). `wrap`, if
-    given, turns a part into the module the schedule calls (e.g. to supply positions).
+    rescaled by the schedule (it should already carry the global normalisation).
     """
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import (
@@ -185,10 +183,7 @@ def build_schedule(
             f"the per-rank batch of {local_batch_size} sequences does not split into "
             f"parallelism.pp_microbatches={m} equal micro-batches; make global_batch_size/dp a multiple of it"
         )
-    stages = [
-        PipelineStage(wrap(part) if wrap is not None else part, s, n_stages, device, group=pp_group)
-        for part, s in zip(parts, ids, strict=True)
-    ]
+    stages = [PipelineStage(part, s, n_stages, device, group=pp_group) for part, s in zip(parts, ids, strict=True)]
     common: dict[str, Any] = {"n_microbatches": m, "loss_fn": loss_fn, "scale_grads": False}
     if p.pp_schedule == "gpipe":
         schedule = ScheduleGPipe(stages[0], **common)
@@ -214,7 +209,6 @@ def apply_pp(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     local_batch_size: int,
     parallelize: Callable[[nn.Module], nn.Module] | None = None,
-    wrap: Callable[[nn.Module], nn.Module] | None = None,
 ) -> Pipeline:
     """Split the meta `model` into this pp rank's stages, parallelise each part with
     `parallelize` (TP/AC/FSDP and weight init, as for a whole model), and build the schedule.
@@ -228,4 +222,4 @@ def apply_pp(
     parts, ids, n_stages = split_model(model, model_cfg, p, pp_rank)
     if parallelize is not None:
         parts = [parallelize(part) for part in parts]
-    return build_schedule(parts, ids, n_stages, p, group, device, loss_fn, local_batch_size, wrap)
+    return build_schedule(parts, ids, n_stages, p, group, device, loss_fn, local_batch_size)

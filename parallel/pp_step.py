@@ -37,25 +37,24 @@ class StageView(nn.Module):
         raise RuntimeError("a pipeline rank's StageView is not callable; run Pipeline.step")
 
 
-class StagePositions(nn.Module):
-    """Calls a stage with the global positions of the tokens it holds.
+def _positions_hook(sp_degree: int, cp_rank: int, cp: int) -> Callable[..., Any]:
+    """A forward pre-hook giving a stage the global positions of the tokens it holds.
 
-    A stage sees only its input tensor, so it cannot tell the sequence length it belongs to:
-    with sequence parallelism hidden states between stages are sequence shards (tp of them), and
-    with context parallelism every rank holds a zigzag shard of each sequence.
+    A stage sees only its input tensor, so it cannot tell the sequence it belongs to: with
+    sequence parallelism hidden states between stages are sequence shards (tp of them), and
+    with context parallelism every rank holds a zigzag shard of each sequence. (A hook, not a
+    wrapper module: the schedules treat FSDP-wrapped stages specially, so the stage module must
+    stay the FSDP module itself.)
     """
+    from parallel.cp import cp_positions
 
-    def __init__(self, part: nn.Module, sp_degree: int, cp_rank: int, cp: int) -> None:
-        super().__init__()
-        self.part = part
-        self.sp_degree, self.cp_rank, self.cp = sp_degree, cp_rank, cp
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        x = args[0]
+        n = x.shape[1] * (sp_degree if x.dim() == 3 else 1)  # hidden states: a tp shard
+        positions = cp_positions(n * cp, cp_rank, cp) if cp > 1 else torch.arange(n)
+        return args, {**kwargs, "positions": positions.to(x.device)}
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from parallel.cp import cp_positions
-
-        n = x.shape[1] * (self.sp_degree if x.dim() == 3 else 1)  # hidden states: a tp shard
-        positions = cp_positions(n * self.cp, self.cp_rank, self.cp) if self.cp > 1 else torch.arange(n)
-        return self.part(x, positions=positions.to(x.device))
+    return hook
 
 
 def build_pipeline(
@@ -71,11 +70,10 @@ def build_pipeline(
     sp = dims.tp if dims.tp_enabled and p.sequence_parallel else 1
     cp_rank = dims.get_mesh(mesh, "cp").get_local_rank() if dims.cp_enabled else 0
 
-    def wrap(part: nn.Module) -> nn.Module:
-        return StagePositions(part, sp, cp_rank, dims.cp)
-
-    pipe = apply_pp(model, cfg.model, p, dims.get_mesh(mesh, "pp"), trainer.device, loss_fn, local_bs,
-                    parallelize, wrap)
+    pipe = apply_pp(model, cfg.model, p, dims.get_mesh(mesh, "pp"), trainer.device, loss_fn, local_bs, parallelize)
+    if sp > 1 or dims.cp > 1:
+        for part in pipe.parts:
+            part.register_forward_pre_hook(_positions_hook(sp, cp_rank, dims.cp), with_kwargs=True)
     return pipe, StageView(pipe.parts)
 
 

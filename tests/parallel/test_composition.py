@@ -27,6 +27,8 @@ DENSE_4: list[dict[str, Any]] = [
     dict(name="fsdp2xcp2", world=4, parallelism={"cp": 2}),
     dict(name="tp2xcp2", world=4, parallelism={"tp": 2, "cp": 2}),
     dict(name="pp2xtp2", world=4, parallelism={"pp": 2, "tp": 2, "pp_microbatches": 4}),
+    dict(name="pp2xtp2-zbv", world=4, parallelism={"pp": 2, "tp": 2, "pp_schedule": "zbv", "pp_stages_per_rank": 2,
+                                                   "pp_microbatches": 4}),
     dict(name="pp2xcp2", world=4, parallelism={"pp": 2, "cp": 2, "pp_microbatches": 2}),
     dict(name="cp2-ac", world=2, parallelism={"cp": 2}, training={"activation_checkpointing": "full"}),
 ]

@@ -205,6 +205,40 @@ def moe_stats(modules: nn.Module | list[nn.Module]) -> dict[str, torch.Tensor]:
     }
 
 
+def global_moe_metrics(model: nn.Module, n_layers: int, cp: int = 1) -> dict[str, float]:
+    """Aux loss and load imbalance of the last micro-batch of every rank, over the whole world
+    (a collective: call on every rank). Each pipeline rank fills in its own layers; context
+    parallel ranks hold shares of the same sequences, so their sequence counts are divided by cp.
+
+    Returns {"moe_aux_loss": mean per layer and sequence, "moe_load_imbalance": max/mean
+    tokens per expert averaged over layers (1.0 is perfectly balanced)}.
+    """
+    from parallel.model import canonical_name
+
+    found = [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
+    if not found:
+        return {}
+    n_exp = found[0][1].num_experts
+    device = next(model.parameters()).device
+    tokens = torch.zeros(n_layers, n_exp, device=device)
+    sums = torch.zeros(2, device=device)  # aux sum, (layer, sequence) count
+    for name, m in found:
+        if m.last_tokens_per_expert is None or m.last_aux_loss_sum is None:
+            continue
+        layer = int(canonical_name(name).split(".")[1])
+        tokens[layer] = m.last_tokens_per_expert.float().to(device)
+        sums[0] += m.last_aux_loss_sum.float().to(device)
+        sums[1] += m.last_num_sequences / cp
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(tokens)
+        dist.all_reduce(sums)
+    used = tokens.sum(dim=-1) > 0
+    return {
+        "moe_aux_loss": float(sums[0] / sums[1].clamp_min(1e-9)),
+        "moe_load_imbalance": load_imbalance(tokens[used]) if bool(used.any()) else 1.0,
+    }
+
+
 def load_imbalance(tokens_per_expert: torch.Tensor) -> float:
     """max / mean tokens per expert, averaged over layers (1.0 when perfectly balanced)."""
     mean = tokens_per_expert.mean(dim=-1).clamp_min(1e-9)

@@ -37,7 +37,7 @@ from parallel.fsdp import apply_fsdp, needs_sync_toggle
 from parallel.loss import loss_context, token_loss_sum
 from parallel.metrics import device_peak_flops, flops_per_token, mfu, peak_memory_bytes
 from parallel.model import build_model, init_weights
-from parallel.moe import set_aux_scale
+from parallel.moe import global_moe_metrics, set_aux_scale
 from parallel.optim import build_optimizer, build_scheduler, clip_grad_norm_, set_scheduler_step
 from parallel.pp import Pipeline
 from parallel.tp import apply_tp
@@ -211,6 +211,8 @@ class Trainer:
             step_time_s=dt, tokens_per_s=tps, lr=lr, grad_norm=gnorm,
             peak_mem_bytes=peak_memory_bytes(self.device),
             mfu=mfu(tps, self._flops_per_token, self._peak_flops, self.dims.world_size),
+            extra=global_moe_metrics(self.model, self.cfg.model.n_layers, self.dims.cp)
+            if self.cfg.model.moe is not None else {},
         )
 
     # --- state ---------------------------------------------------------------------------------

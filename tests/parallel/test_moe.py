@@ -106,3 +106,16 @@ def test_mixtral_family_builds_initialises_and_learns() -> None:
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 0.5
     assert model.layers["1"].feed_forward.experts.w1.grad is None  # zero_grad cleared it
+
+
+def test_trainer_reports_moe_metrics() -> None:
+    from parallel.config import EngineConfig
+    from parallel.trainer import Trainer
+
+    cfg = EngineConfig.model_validate({
+        "model": {"preset": "mixtral-tiny", "moe": {"num_experts": 4, "top_k": 2}},
+        "training": {"steps": 2, "seq_len": 16, "global_batch_size": 4, "warmup_steps": 0},
+    })
+    extra = Trainer(cfg, device=torch.device("cpu")).train_step().extra
+    assert 0.9 < extra["moe_aux_loss"] < 4.0  # E·Σ f·P is 1 when balanced, at most E
+    assert extra["moe_load_imbalance"] >= 1.0

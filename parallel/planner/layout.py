@@ -162,8 +162,6 @@ def structural_reasons(layout: Layout, model: ModelConfig, train: TrainConfig) -
             r.append(f"tp={t} does not divide the expert width; use a divisor of it")
         if model.vocab_size % t:
             r.append(f"tp={t} does not divide vocab_size={model.vocab_size}; use a divisor of it")
-        if model.tie_embeddings:
-            r.append(f"tp={t} with tied embeddings is not supported by the engine; use tp=1 or untie them")
     if layout.pp > 1:
         v = layout.stages_per_rank
         stages = layout.pp * v

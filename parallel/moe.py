@@ -36,18 +36,17 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class _AddAuxGrad(torch.autograd.Function):
-    """Returns `out` unchanged; in backward also sends `scale` as the gradient of `aux`."""
+    """Returns `out` unchanged; in backward also sends `weight` (per sequence) as the gradient of `aux`."""
 
     @staticmethod
-    def forward(ctx: Any, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        ctx.aux_shape, ctx.aux_dtype = aux.shape, aux.dtype
+    def forward(ctx: Any, out: torch.Tensor, aux: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(weight)
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
-        aux_grad = torch.full(ctx.aux_shape, ctx.scale, dtype=ctx.aux_dtype, device=grad.device)
-        return grad, aux_grad, None
+        (weight,) = ctx.saved_tensors
+        return grad, weight, None
 
 
 class GroupedExperts(nn.Module):
@@ -95,6 +94,9 @@ class MoE(nn.Module):
         self.cp_group: dist.ProcessGroup | None = None
         # The weight of one sequence's aux loss in the total loss; None: coef / local batch size.
         self.aux_scale: float | None = None
+        # Optional (batch,) 0/1 mask of real sequences for the next forwards: padding rows
+        # (zero-weight samples) then add no load-balancing gradient. Set by the train step.
+        self.row_mask: torch.Tensor | None = None
         # What the last forward saw, for metrics (detached): the local sum over sequences of
         # the aux loss, and the tokens routed to each expert (counted once per top-k slot).
         self.last_aux_loss_sum: torch.Tensor | None = None
@@ -129,7 +131,10 @@ class MoE(nn.Module):
 
         scale = self.aux_scale if self.aux_scale is not None else self.aux_loss_coef / max(bs, 1)
         if torch.is_grad_enabled() and scale != 0.0 and aux.requires_grad:
-            out = _AddAuxGrad.apply(out, aux, scale)
+            weight = torch.full_like(aux, scale)
+            if self.row_mask is not None and self.row_mask.shape[0] == bs:
+                weight = weight * self.row_mask.to(weight)
+            out = _AddAuxGrad.apply(out, aux, weight.detach())
         return out
 
     def _aux_per_sequence(self, probs: torch.Tensor, top_i: torch.Tensor) -> torch.Tensor:
@@ -188,6 +193,12 @@ def set_aux_scale(modules: nn.Module | list[nn.Module], scale: float | None) -> 
     """Weight of one sequence's aux loss: pass coef / (sequences in the global batch)."""
     for m in moe_modules(modules):
         m.aux_scale = scale
+
+
+def set_row_mask(modules: nn.Module | list[nn.Module], mask: torch.Tensor | None) -> None:
+    """Mark the real (1) and padding (0) sequences of the next micro-batch; None: all real."""
+    for m in moe_modules(modules):
+        m.row_mask = mask
 
 
 def moe_stats(modules: nn.Module | list[nn.Module]) -> dict[str, torch.Tensor]:

@@ -29,7 +29,7 @@ from parallel import dist as pdist
 from parallel.ac import apply_ac
 from parallel.config import EngineConfig
 from parallel.cp import apply_cp, shard_batch
-from parallel.data import DataLoader
+from parallel.data import IGNORE_INDEX, DataLoader
 from parallel.dims import ParallelDims
 from parallel.dtensor_cache import clear_dtensor_caches
 from parallel.ep import apply_ep, apply_expert_fsdp, expert_fsdp_mesh
@@ -37,7 +37,7 @@ from parallel.fsdp import apply_fsdp, needs_sync_toggle
 from parallel.loss import loss_context, token_loss_sum
 from parallel.metrics import device_peak_flops, flops_per_token, mfu, peak_memory_bytes
 from parallel.model import build_model, init_weights
-from parallel.moe import global_moe_metrics, set_aux_scale
+from parallel.moe import global_moe_metrics, set_aux_scale, set_row_mask
 from parallel.optim import build_optimizer, build_scheduler, clip_grad_norm_, set_scheduler_step
 from parallel.pp import Pipeline
 from parallel.tp import apply_tp
@@ -187,6 +187,8 @@ class Trainer:
             inputs = inputs.to(self.device, non_blocking=True)
             targets = targets.to(self.device, non_blocking=True)
             positions = positions.to(self.device) if positions is not None else None
+            if self.cfg.model.moe is not None:  # padding rows add no load-balancing gradient
+                set_row_mask(self.model, (targets != IGNORE_INDEX).any(dim=1))
             with loss_context(self._loss_parallel):
                 with self._autocast():
                     logits = self.model(inputs, positions=positions)

@@ -32,6 +32,8 @@ LAYOUTS: list[dict[str, Any]] = [
     dict(name="ep4", world=4, parallelism={"ep": 4}),
     dict(name="fsdp2xep2", world=4, parallelism={"ep": 2}),  # experts FSDP-sharded over the other 2
     dict(name="hsdp2x2-ep2", world=4, parallelism={"dp_replicate": 2, "ep": 2}),
+    # 8 sequences over 3 ranks: padding rows must add no load-balancing gradient.
+    dict(name="moe-fsdp3-padding", world=3, parallelism={}),
 ]
 
 

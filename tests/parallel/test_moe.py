@@ -119,3 +119,21 @@ def test_trainer_reports_moe_metrics() -> None:
     extra = Trainer(cfg, device=torch.device("cpu")).train_step().extra
     assert 0.9 < extra["moe_aux_loss"] < 4.0  # E·Σ f·P is 1 when balanced, at most E
     assert extra["moe_load_imbalance"] >= 1.0
+
+
+def test_padding_rows_add_no_aux_gradient() -> None:
+    from parallel.moe import set_row_mask
+
+    cfg = _cfg(aux_loss_coef=1.0)
+    m = _layer(cfg, seed=2)
+    x = torch.randn(3, 4, cfg.dim)
+    set_aux_scale(m, 0.5)
+    set_row_mask(m, torch.tensor([True, False, True]))
+    masked = torch.autograd.grad(m(x).sum(), m.gate.weight)[0]
+    set_row_mask(m, None)
+    keep = torch.autograd.grad(m(x[[0, 2]]).sum(), m.gate.weight)[0]  # the real rows alone
+    padded_out = torch.autograd.grad(m(x[[1]]).sum(), m.gate.weight)[0]
+    set_aux_scale(m, 0.0)
+    no_aux = torch.autograd.grad(m(x[[1]]).sum(), m.gate.weight)[0]
+    torch.testing.assert_close(masked, keep + no_aux, atol=1e-4, rtol=1e-4)  # gradients of order 10
+    assert not torch.allclose(padded_out, no_aux)  # the row would have had an aux gradient

@@ -735,6 +735,8 @@ class Supervisor:
     def _maybe_grow(self, slots: list[Slot]) -> None:
         if self._pausing is not None or self.dp >= self.dp_max or self._count("ready") == 0:
             return
+        if self._count("starting"):
+            return  # more replicas are on their way: grow once, with all of them
         if self.scaling.wants_growth(self.dp, self._count("ready")) == 0:
             return
         every = self.spec.checkpoint.in_memory_every or self.spec.checkpoint.persist_every or 1

@@ -50,8 +50,9 @@ def test_node_loss_shrinks_then_a_new_node_grows_it_back(nodes_cluster: LocalClu
         first = run.of("failure_detected")[0]["data"]
         assert first["kind"] in ("node_died", "worker_died", "collective_error"), first
         resizes = [(e["data"]["old_dp"], e["data"]["new_dp"]) for e in run.of("resized")]
-        assert resizes[:2] == [(4, 2), (2, 4)], resizes
-        assert run.of("resized")[1]["data"]["cause"] == "growth"
+        # Shrink to the two workers left, then grow back to 4 (in one step or as replicas get ready).
+        assert resizes[0] == (4, 2) and resizes[-1][1] == 4, resizes
+        assert all(e["data"]["cause"] == "growth" for e in run.of("resized")[1:])
         for ev in run.of("restored"):
             assert ev["data"]["lost_steps"] <= 1, ev
         assert_same_losses(run.rows(), ref)

@@ -28,6 +28,14 @@ from service import sizing
 # mapped to the planner's presets, by substring.
 _ACCELERATORS = (("h200", "h200"), ("h100", "h100"), ("a100", "a100"))
 _MAX_CANDIDATES = 64  # how far down the ranking auto resolution looks for one the dp range allows
+# The most devices one plan covers: its cost grows with the device count's divisors (65520 h100s:
+# ~5 s; cpu ranks, whose tp is not bounded by a node, ~13 s), and it runs inside a request.
+MAX_DEVICES = 65536
+MAX_CPU_RANKS = 4096
+
+
+def max_devices(preset: str) -> int:
+    return MAX_CPU_RANKS if preset.lower() == "cpu" else MAX_DEVICES
 
 
 class LayoutRefused(ValueError):
@@ -121,6 +129,10 @@ def cluster_for_job(
         raise LayoutRefused([("gpu", f"unknown preset {gpu!r}; choose one of {sorted(HARDWARE)}")])
     try:
         if gpus is not None:
+            limit = max_devices(gpu or "h100")
+            if gpus > limit:
+                raise LayoutRefused([("gpus", f"{gpus} devices: the planner covers at most {limit} "
+                                              f"{gpu or 'h100'} devices in one plan; ask for fewer")])
             return JobCluster(make_cluster(gpus, gpu or "h100", nodes), "as requested (gpus, gpu, nodes)")
         if total is None:
             raise LayoutRefused([(
@@ -136,6 +148,9 @@ def cluster_for_job(
             if max_world is not None:
                 devices = min(devices, max_world)
             preset, note = (gpu.lower(), None) if gpu else _gpu_preset(total)
+            if devices > max_devices(preset):
+                devices = max_devices(preset)
+                note = "; ".join(x for x in (note, f"planned for {devices}, the planner's limit") if x)
             n = nodes if nodes is not None else _ray_nodes(total)
             if nodes is None and (devices % n or devices // n > HARDWARE[preset].devices_per_node):
                 n = None  # fewer workers than nodes, or an uneven spread: as few full nodes as hold them
@@ -154,10 +169,14 @@ def cluster_for_job(
             )])
         why = f"the job's max world {max_world}" if max_world is not None and ranks == max_world else (
             f"the cluster's {cpus:g} CPUs at resources.cpus_per_worker={res.cpus_per_worker:g}")
+        preset = gpu.lower() if gpu else "cpu"
+        if ranks > max_devices(preset):
+            ranks = max_devices(preset)
+            why += f", capped at {ranks} (the planner's limit)"
         if have_gpus >= 1 and res.gpus_per_worker == 0:
             why += ("; the cluster has GPUs but the job asks none (resources.gpus_per_worker: 0), so its "
                     "workers run on CPU: set resources.gpus_per_worker: 1 to plan for the GPUs")
-        return JobCluster(make_cluster(ranks, gpu.lower() if gpu else "cpu", nodes), f"{ranks} ranks: {why}")
+        return JobCluster(make_cluster(ranks, preset, nodes), f"{ranks} ranks: {why}")
     except PlanError as e:
         raise LayoutRefused([("nodes" if "node" in r else "gpus", r) for r in e.reasons]) from e
 

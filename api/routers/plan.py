@@ -57,7 +57,7 @@ async def plan_job(
     request: Request,
     principal: Principal = Depends(current_principal),
     state: AppState = Depends(get_state),
-    gpus: Annotated[int | None, Query(ge=1, le=1 << 20, description="devices in all (default: the cluster's)")] = None,
+    gpus: Annotated[int | None, Query(ge=1, le=65536, description="devices in all (default: the cluster's)")] = None,
     gpu: Annotated[Preset | None, Query(description="hardware preset (default: the cluster's)")] = None,
     nodes: Annotated[int | None, Query(ge=1, le=1 << 16, description="nodes (default: as few full nodes as fit)")] = None,
 ) -> dict[str, Any]:

@@ -89,6 +89,12 @@ def test_cluster_errors_name_the_parameter() -> None:
     with pytest.raises(LayoutRefused) as e:
         cluster_for_job(spec(TINY), {"CPU": 0.5})
     assert e.value.problems[0][0] == "resources.cpus_per_worker"
+    # One plan covers a bounded number of devices (its cost grows with their divisors).
+    with pytest.raises(LayoutRefused) as e:
+        cluster_for_job(spec(TINY), None, gpus=5000, gpu="cpu")
+    assert e.value.problems[0][0] == "gpus" and "at most 4096 cpu" in e.value.problems[0][1]
+    big = cluster_for_job(spec(TINY), {"CPU": 100000.0})
+    assert big.cluster.world == 4096 and "capped at 4096" in big.source
 
 
 # ---- parallelism: auto ---------------------------------------------------------------------------

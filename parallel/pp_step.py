@@ -66,6 +66,8 @@ def build_pipeline(
     """Cut the meta `model` into this rank's stages, parallelise each, build the schedule."""
     cfg, dims, mesh = trainer.cfg, trainer.dims, trainer.mesh
     p = cfg.parallelism
+    if dims.cp_enabled and p.cp_impl != "ring":
+        raise ValueError(f"parallelism.cp_impl={p.cp_impl} is not supported with pp > 1; use cp_impl: ring")
     local_bs = dims.local_batch_size(cfg.training.global_batch_size)
     sp = dims.tp if dims.tp_enabled and p.sequence_parallel else 1
     cp_rank = dims.get_mesh(mesh, "cp").get_local_rank() if dims.cp_enabled else 0

@@ -28,7 +28,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from parallel import dist as pdist
 from parallel.ac import apply_ac
 from parallel.config import EngineConfig
-from parallel.cp import apply_cp, shard_batch
+from parallel.cp import apply_cp, builtin_cp_context, shard_batch
 from parallel.data import IGNORE_INDEX, DataLoader
 from parallel.dims import ParallelDims
 from parallel.dtensor_cache import clear_dtensor_caches
@@ -180,16 +180,23 @@ class Trainer:
             if toggle:
                 self.model.set_requires_gradient_sync(i == len(micro) - 1)
             positions = None
-            if self.dims.cp_enabled:  # this rank's zigzag shard of every sequence
+            cp_ctx: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+            if self.dims.cp_enabled and self.cfg.parallelism.cp_impl == "ring":  # this rank's zigzag shard
                 assert self.mesh is not None
                 cp = self.dims.get_mesh(self.mesh, "cp")
                 inputs, targets, positions = shard_batch(inputs, targets, cp.get_local_rank(), cp.size())
             inputs = inputs.to(self.device, non_blocking=True)
             targets = targets.to(self.device, non_blocking=True)
             positions = positions.to(self.device) if positions is not None else None
+            if self.dims.cp_enabled and self.cfg.parallelism.cp_impl == "builtin":
+                # torch shards the three buffers in place inside the context (CUDA only).
+                assert self.mesh is not None
+                inputs, targets = inputs.contiguous(), targets.contiguous()
+                positions = torch.arange(inputs.shape[1], device=self.device)
+                cp_ctx = builtin_cp_context(self.dims.get_mesh(self.mesh, "cp"), [inputs, targets, positions], [1, 1, 0])
             if self.cfg.model.moe is not None:  # padding rows add no load-balancing gradient
                 set_row_mask(self.model, (targets != IGNORE_INDEX).any(dim=1))
-            with loss_context(self._loss_parallel):
+            with cp_ctx, loss_context(self._loss_parallel):
                 with self._autocast():
                     logits = self.model(inputs, positions=positions)
                 loss = token_loss_sum(logits, targets)

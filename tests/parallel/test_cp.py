@@ -114,3 +114,18 @@ def test_ring_attention_and_cp_models_match_one_process() -> None:
     for k, e in worst.items():
         assert e <= 1e-5, f"{k}: max abs error {e:.2e}"
     assert len(worst) == 7
+
+
+def test_trainer_refuses_builtin_cp_on_cpu() -> None:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from parallel.config import EngineConfig
+    from parallel.trainer import Trainer
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        cfg = EngineConfig.model_validate({"parallelism": {"cp": 2, "cp_impl": "builtin"}})
+        with pytest.raises(ValueError, match="cp_impl=builtin needs CUDA"):
+            Trainer(cfg, device=torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()

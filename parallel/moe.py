@@ -13,7 +13,8 @@ do not depend on how the batch is split over data-parallel ranks, micro-batches,
 stages or context-parallel shards. It enters the gradient directly: the MoE output carries it
 through a pass-through autograd function (as Megatron does), so no train step — pipelined or
 not — has to collect it. `aux_scale` is the weight of one sequence's aux loss in the total
-loss; the train step sets it to coef / global_sequences (default coef / local batch size).
+loss; the train step sets it to coef / global_sequences, times the FSDP degree as for the token
+loss (default coef / local batch size), and marks padding rows with `set_row_mask`.
 """
 
 from __future__ import annotations

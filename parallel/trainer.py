@@ -1,9 +1,12 @@
 """The Trainer: one rank's engine. Builds the mesh, model, optimizer, schedule and data, and
 runs train steps; its state is DCP-savable and reshardable to another dp degree.
 
-Order of construction (torchtitan's): model on the meta device -> tensor parallel -> activation
-checkpointing -> compile -> FSDP -> materialise and init weights (each parameter from its own
-seeded generator, so every layout starts from the same values) or load HF weights.
+Order of construction (torchtitan's): model on the meta device -> [pipeline: cut into this
+rank's stages, each then treated as a whole model] -> tensor parallel -> expert parallel ->
+context parallel (attention swapped for ring attention) -> activation checkpointing -> compile ->
+FSDP (experts in their own group) -> materialise and init weights (each parameter from its own
+seeded generator, so every layout starts from the same values) or load HF weights. With pp > 1
+the step runs the schedule (`parallel.pp_step`); with cp > 1 each sequence is cut zigzag.
 
 One step: every dp rank runs the same number of micro-batches over its slice of the global
 batch (padding rows weigh zero); each micro-batch's loss is the *sum* of token losses divided by

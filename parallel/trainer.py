@@ -34,7 +34,6 @@ from parallel.config import EngineConfig
 from parallel.cp import apply_cp, builtin_cp_context, shard_batch
 from parallel.data import IGNORE_INDEX, DataLoader
 from parallel.dims import ParallelDims
-from parallel.dtensor_cache import clear_dtensor_caches
 from parallel.ep import apply_ep, apply_expert_fsdp, expert_fsdp_mesh
 from parallel.fsdp import apply_fsdp, needs_sync_toggle
 from parallel.loss import loss_context, token_loss_sum
@@ -70,7 +69,7 @@ class Trainer:
         world = pdist.world_size()
         self.dims = ParallelDims.from_config(cfg.parallelism, world)
         self.dims.validate(cfg.model, cfg.training, cfg.parallelism)
-        clear_dtensor_caches()  # a re-formed group must not meet plans cached for the old one
+        pdist.reset_dtensor_caches()  # a re-formed group must not meet plans cached for the old one
         self.mesh: DeviceMesh | None = self.dims.build_mesh(self.device.type) if world > 1 else None
         self.dp_rank = self.dims.dp_rank(self.mesh)
         t = cfg.training

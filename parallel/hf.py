@@ -136,8 +136,15 @@ def model_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
 
 
 def export_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str) -> None:
-    """Write `state` (full tensors in our naming) as a folder `from_pretrained` loads as LlamaForCausalLM."""
+    """Write `state` (full tensors in our naming) as a folder `from_pretrained` loads as LlamaForCausalLM
+    (MixtralForCausalLM for the MoE family)."""
     from safetensors.torch import save_file
+
+    if cfg.moe is not None:
+        from parallel.hf_mixtral import export_mixtral  # lazy: it builds on this module
+
+        export_mixtral(state, cfg, out_dir)
+        return
 
     config = hf_config_dict(cfg)  # refuses what HF Llama cannot hold before anything is written
     state = {canonical_name(k): v for k, v in state.items()}

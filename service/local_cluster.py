@@ -66,7 +66,9 @@ class LocalCluster:
         self.head_resources = dict(head_resources or {})
         self.fast_failure_detection = fast_failure_detection
         self.dashboard = dashboard
-        self.dashboard_port = free_port() if dashboard else None
+        # Ray starts its dashboard process even when the UI is off; a private port keeps two
+        # clusters on one machine from fighting over 8265.
+        self.dashboard_port = free_port()
         self.metrics_export_port = metrics_export_port
         self.object_store_mb = object_store_mb
         # A short private temp dir: Ray's socket paths must stay under 108 characters.
@@ -82,7 +84,7 @@ class LocalCluster:
 
     @property
     def dashboard_url(self) -> str | None:
-        return f"http://127.0.0.1:{self.dashboard_port}" if self.dashboard_port else None
+        return f"http://127.0.0.1:{self.dashboard_port}" if self.dashboard else None
 
     def start(self) -> str:
         head_args: dict[str, Any] = {
@@ -93,9 +95,8 @@ class LocalCluster:
             "include_dashboard": self.dashboard,
             "node_ip_address": "127.0.0.1",
         }
-        if self.dashboard:
-            head_args["dashboard_host"] = "127.0.0.1"
-            head_args["dashboard_port"] = self.dashboard_port
+        head_args["dashboard_host"] = "127.0.0.1"
+        head_args["dashboard_port"] = self.dashboard_port
         if self.metrics_export_port is not None:
             head_args["metrics_export_port"] = self.metrics_export_port
         if self.fast_failure_detection:

@@ -651,11 +651,10 @@ class Supervisor:
             if pending:
                 done, _ = ray.wait([s.run_ref for s in pending], num_returns=len(pending), timeout=_POLL_S)
                 done_set = set(done)
-                for s in pending:
-                    if s.run_ref in done_set:
-                        f = self._collect(s)
-                        if f is not None:
-                            return f
+                found = [f for s in pending if s.run_ref in done_set and (f := self._collect(s)) is not None]
+                if found:
+                    # Peers of the failed rank fail too (their collectives break): name the cause, not them.
+                    return min(found, key=lambda f: f.kind == "collective_error")
             if all(s.result is not None for s in slots):
                 statuses = {s.result["status"] for s in slots if s.result}
                 if statuses == {"finished"}:
@@ -803,6 +802,12 @@ class Supervisor:
         active = [r for r in self.replicas.values() if r.state == "active"]
         slots = [s for r in active for s in r.slots]
         self._stop_generation(slots, failure.slots)
+        for s in slots:  # a rank whose own step raised (not a broken collective) is replaced
+            res = s.result or {}
+            if s.dead is None and res.get("status") == "error" and not res.get("collective"):
+                s.dead = "its step raised"
+                with contextlib.suppress(Exception):
+                    ray.kill(s.handle, no_restart=True)
         for rep in active:
             if any(s.dead is not None for s in rep.slots):
                 self._drop_replica(rep, "lost a member")

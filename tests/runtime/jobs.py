@@ -54,7 +54,11 @@ class JobRun:
         self.status: dict[str, Any] = {}
 
     def poll(self) -> list[dict[str, Any]]:
-        new = ray.get(self.handle.events.remote(after=len(self.events)), timeout=30)
+        try:
+            new = ray.get(self.handle.events.remote(after=len(self.events)), timeout=30)
+        except ray.exceptions.ActorUnavailableError:  # the supervisor is restarting
+            time.sleep(0.5)
+            return []
         self.events += new
         return new
 
@@ -64,7 +68,11 @@ class JobRun:
             for ev in self.poll():
                 if on_event is not None:
                     on_event(ev)
-            self.status = ray.get(self.handle.status.remote(), timeout=30)
+            try:
+                self.status = ray.get(self.handle.status.remote(), timeout=30)
+            except ray.exceptions.ActorUnavailableError:  # the supervisor is restarting
+                time.sleep(0.5)
+                continue
             if self.status["done"]:
                 self.poll()
                 return self.status

@@ -344,11 +344,12 @@ class Supervisor:
         return rep
 
     def _spawn(self, rep: Replica) -> None:
+        from service.store import spec_to_private_json
         from workers.worker import Worker
 
         assert rep.res is not None
         engine = self.spec_engine_json()
-        ckpt = self.spec.checkpoint.model_dump_json()
+        ckpt = spec_to_private_json(self.spec.checkpoint)  # workers need the real S3 keys, not the mask
         env = dict(self.spec.runtime_env.env_vars)
         env.update({k: v.get_secret_value() for k, v in self.spec.runtime_env.secret_env_vars.items()})
         env.setdefault("OMP_NUM_THREADS", "1")

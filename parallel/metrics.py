@@ -80,5 +80,14 @@ def peak_memory_bytes(device: torch.device) -> int:
     """CUDA max_memory_allocated on GPUs; the process's peak resident set on the CPU."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
+    # Linux: VmHWM is this address space's own high-water mark. ru_maxrss is not: it survives
+    # exec, so a rank started by a large parent (a test runner, say) reports the parent's peak.
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)

@@ -30,7 +30,7 @@ _ACCELERATORS = (("h200", "h200"), ("h100", "h100"), ("a100", "a100"))
 _MAX_CANDIDATES = 64  # how far down the ranking auto resolution looks for one the dp range allows
 # The most devices one plan covers: its cost grows with the device count's divisors (65520 h100s:
 # ~5 s; cpu ranks, whose tp is not bounded by a node, ~13 s), and it runs inside a request.
-MAX_DEVICES = 65536
+MAX_DEVICES = 16384
 MAX_CPU_RANKS = 4096
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
@@ -36,9 +36,18 @@ class DPRange(_Strict):
 
 class Resources(_Strict):
     dp: DPRange = Field(default_factory=DPRange)
-    cpus_per_worker: float = Field(1.0, ge=0)
-    gpus_per_worker: float = Field(0.0, ge=0)
-    custom: dict[str, float] = Field(default_factory=dict, description="extra Ray resources per worker")
+    cpus_per_worker: float = Field(1.0, ge=0, le=1024)
+    gpus_per_worker: float = Field(0.0, ge=0, le=16, description="one rank drives at most a node's GPUs")
+    custom: dict[str, Annotated[float, Field(ge=0, le=1e9)]] = Field(
+        default_factory=dict, description="extra Ray resources per worker"
+    )
+
+    @model_validator(mode="after")
+    def _names(self) -> Resources:
+        bad = [k for k in self.custom if not k or not k.isprintable() or len(k) > 128]
+        if bad:
+            raise ValueError(f"custom resource names must be 1-128 printable characters; fix {bad[:3]!r}")
+        return self
 
 
 class FaultTolerance(_Strict):

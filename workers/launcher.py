@@ -124,6 +124,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def exited_rc(proc: subprocess.Popen[bytes]) -> int:
+    """The exit code of a process known to have exited (0 if it is somehow still running)."""
+    rc = proc.poll()
+    return 0 if rc is None else rc
+
+
 def _read_error(path: Path) -> tuple[float, str] | None:
     """(time, message) a rank recorded as it failed, if it could."""
     try:
@@ -288,7 +294,7 @@ class LocalLauncher:
                         rank, rc, when = payload
                         exited[rank] = rc
                         if rc != 0:
-                            self._fail(rank, when, log, progress)
+                            self._fail(rank, rc, when, log, progress)
                     elif kind == "eof":
                         reports_done = True
                     else:
@@ -302,7 +308,7 @@ class LocalLauncher:
             pids=self.pids,
         )
 
-    def _fail(self, rank: int, when: float, log: MetricsLog, progress: StepProgress) -> None:
+    def _fail(self, rank: int, rc: int, when: float, log: MetricsLog, progress: StepProgress) -> None:
         """A rank exited non-zero: stop the rest, find the rank that failed first, raise."""
         stopped_at = time.time()
         codes = self.stop()
@@ -311,6 +317,9 @@ class LocalLauncher:
         # whose failure came first: by the error time it recorded before leaving the group, else
         # (killed, no chance to record) by when its exit was seen.
         first: dict[int, float] = {rank: when}
+        # A rank killed by a signal before we stopped anyone could record nothing: it is the cause,
+        # even if a peer's "connection reset" error was written before its exit was seen.
+        signaled: dict[int, float] = {rank: when} if rc < 0 else {}
         while True:
             try:
                 kind, payload = self._events.get_nowait()
@@ -318,11 +327,13 @@ class LocalLauncher:
                 break
             if kind == "exit" and payload[1] != 0 and payload[2] <= stopped_at:
                 first[payload[0]] = payload[2]
+                if payload[1] < 0:
+                    signaled[payload[0]] = payload[2]
         errors = {r: e for r in range(self.nproc) if (e := _read_error(error_file(self.output_dir, r))) is not None}
         for r, (t, _) in errors.items():
             if t <= stopped_at:
                 first[r] = min(first.get(r, t), t)
-        culprit = min(first, key=lambda r: first[r])
+        culprit = min(signaled or first, key=lambda r: (signaled or first)[r])
         others = {r: c for r, c in codes.items() if r != culprit}
         raise RankFailure(
             culprit, codes[culprit] if codes[culprit] is not None else -signal.SIGKILL,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -157,9 +158,12 @@ def test_pins_match_what_we_test_with() -> None:
             assert v == ray.__version__, f"{f.name}: rayVersion {v}"
 
 
-# ~230 s on this loaded 2-core machine: pip evaluates every link of ~150 index pages (CPU-bound,
-# measured with --log); slow, still run in CI, with room under the timeout.
+# ~230 s on a 2-core machine: pip evaluates every link of ~150 index pages (CPU-bound, measured
+# with --log). That is a sixth of CI's test budget for one resolution, so it runs on request:
+# UNBROKEN_IMAGE_CHECKS=1 make test (and before any change to the Dockerfiles' pip lines).
 @pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("UNBROKEN_IMAGE_CHECKS") != "1",
+                    reason="resolving the image's pip lines takes ~4 min; set UNBROKEN_IMAGE_CHECKS=1")
 @pytest.mark.timeout(540)
 def test_pip_lines_resolve_in_a_fresh_virtualenv(tmp_path: Path) -> None:
     env_dir = tmp_path / "venv"

@@ -110,7 +110,7 @@ def wait_for(cond, timeout: float, what: str, proc: subprocess.Popen[bytes], log
             break
         time.sleep(1.0)
     text = log.read_text(errors="replace")
-    if "The current node timed out during startup" in text:
+    if "The current node timed out during startup" in text or "Failed to get node info" in text:
         # Ray's own `ray start` failed (its raylet crashes now and then on this loaded 2-core
         # machine, node_manager.cc CHECK): nothing about the script was tested.
         pytest.skip(f"Ray's head node did not start here: {ray_logs(log_temp(log))[-500:]}")

@@ -819,6 +819,8 @@ class Supervisor:
         dp = self.scaling.choose(live)
         if dp is None:
             dp = self._wait_for_capacity()
+        if dp < old_dp:
+            self._check_resize_fits(dp)
         reps = sorted((r for r in self.replicas.values() if r.state == "ready"), key=lambda r: r.index)[:dp]
         t_launch = time.time()
         self._launch(old_gen + 1, reps, restore=True)
@@ -830,6 +832,21 @@ class Supervisor:
             "last_step": last_step, "generation": self.generation,
         }
         self._to(JobState.RUNNING, f"re-formed at dp={dp}")
+
+    def _check_resize_fits(self, dp: int) -> None:
+        """The planner's memory check at the smaller dp (a bigger share of the fixed global batch and
+        of the model states per rank): fail with the reason rather than run out of memory."""
+        from service.autolayout import check_resize, cluster_for_job
+
+        try:
+            cluster = cluster_for_job(self.spec, ray.cluster_resources()).cluster
+            reasons = check_resize(self.spec, dp, cluster)
+        except Exception as e:  # a job or cluster the planner cannot model: say so and go on
+            self._event("resize_check", f"memory not re-checked at dp={dp}: {e}", dp=dp, fits=None)
+            return
+        if reasons:
+            raise JobFailed(f"shrinking to dp={dp} would not fit in memory: {'; '.join(reasons[:3])}")
+        self._event("resize_check", f"dp={dp} still fits in memory (planner)", dp=dp, fits=True)
 
     def _wait_for_capacity(self) -> int:
         """Below dp.min: wait for replacements up to wait_for_capacity_s, then fail."""

@@ -42,6 +42,10 @@ def _check_recovered(run: JobRun, ref: list[dict[str, Any]], *, resizes: list[tu
     assert run.of("failure_detected"), run.kinds()
     got = [(e["data"]["old_dp"], e["data"]["new_dp"]) for e in run.of("resized")]
     assert got[: len(resizes)] == resizes, got
+    # Every shrink was re-checked by the planner's memory model before the group re-formed.
+    shrinks = [new for old, new in got if new < old]
+    checked = [e["data"]["dp"] for e in run.of("resize_check") if e["data"]["fits"]]
+    assert checked[: len(shrinks)] == shrinks, run.of("resize_check")
     for ev in run.of("restored"):
         assert ev["data"]["lost_steps"] <= 1, ev
         for k in ("detect_s", "reform_s", "restore_s", "replay_s"):

@@ -156,14 +156,9 @@ class LocalCluster:
 
 def node_name_of_current_process() -> str | None:
     """The `unbroken_node_<name>` this process runs on, from inside a Ray task or actor."""
-    ctx = ray.get_runtime_context()
-    node_id = ctx.get_node_id()
-    for n in ray.nodes():
-        if n["NodeID"] == node_id:
-            for key in n.get("Resources", {}):
-                if key.startswith(NODE_RESOURCE_PREFIX):
-                    return key[len(NODE_RESOURCE_PREFIX) :]
-    return None
+    from checkpointing.keeper import current_node_name  # one implementation, importable by workers too
+
+    return current_node_name()
 
 
 def env_for_fast_detection() -> dict[str, str]:

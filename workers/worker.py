@@ -34,9 +34,9 @@ from typing import Any
 
 import ray
 
-log = logging.getLogger("unbroken.worker")
+from checkpointing.keeper import current_node_name
 
-NODE_RESOURCE_PREFIX = "unbroken_node_"  # as service.local_cluster names nodes
+log = logging.getLogger("unbroken.worker")
 
 
 @dataclass
@@ -51,16 +51,6 @@ class WorkerOptions:
     device: str = "auto"
     replica: int = 0  # the supervisor's data-parallel replica this worker belongs to
     local: int = 0  # its place in the replica's tp x pp x cp group
-
-
-def _node_name() -> str | None:
-    node_id = ray.get_runtime_context().get_node_id()
-    for n in ray.nodes():
-        if n["NodeID"] == node_id:
-            for key in n.get("Resources", {}):
-                if key.startswith(NODE_RESOURCE_PREFIX):
-                    return key[len(NODE_RESOURCE_PREFIX) :]
-    return None
 
 
 class Worker:
@@ -81,7 +71,7 @@ class Worker:
         self.opts = WorkerOptions(**options)
         self.supervisor = supervisor
         self.node_id = ray.get_runtime_context().get_node_id()
-        self.node_name = _node_name()
+        self.node_name = current_node_name()
         self.pid = os.getpid()
         self.host = "127.0.0.1" if os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") == "0" else (
             ray.util.get_node_ip_address()

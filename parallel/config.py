@@ -87,7 +87,7 @@ class ModelConfig(_Strict):
     def _apply_preset(cls, data: Any) -> Any:
         if isinstance(data, dict) and data.get("preset") is not None:
             name = data["preset"]
-            if name not in MODEL_PRESETS:
+            if not isinstance(name, str) or name not in MODEL_PRESETS:
                 raise ValueError(f"unknown preset {name!r}; choose one of {sorted(MODEL_PRESETS)}")
             return {**MODEL_PRESETS[name], **data}
         return data

@@ -24,6 +24,7 @@ def test_preset_then_override() -> None:
     [
         ({"model": {"n_heads": 3, "dim": 64}}, "model: n_heads=3 does not divide dim=64"),
         ({"model": {"dimm": 64}}, "model.dimm: Extra inputs are not permitted"),
+        ({"model": {"preset": {}}}, "model: unknown preset {}"),  # found by the API fuzzer (was a 500)
         ({"training": {"steps": 0}}, "training.steps: Input should be greater than or equal to 1"),
         ({"data": {"kind": "text"}}, "needs data.path"),
         ({"parallelism": {"pp": 4, "pp_microbatches": 2}}, "pp_microbatches=2 must be >= pp=4"),

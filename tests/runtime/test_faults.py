@@ -71,9 +71,11 @@ def test_fault_recovers_with_the_same_losses(kind: str, reference: list[dict[str
     try:
         run.wait()
         _check_recovered(run, reference, resizes=[(4, 3)])
-        first = run.of("failure_detected")[0]["data"]
-        assert first["kind"] == detected, run.of("failure_detected")
-        assert first["ranks"] in ([1], []), first  # the culprit, when the failure names one
+        # A peer's broken collective can be reported a moment before the faulty rank's own error:
+        # the fault must be detected as what it is, naming rank 1 when it names a culprit.
+        found = [e["data"] for e in run.of("failure_detected") if e["data"]["kind"] == detected]
+        assert found, run.of("failure_detected")
+        assert found[0]["ranks"] in ([1], []), found[0]
     finally:
         run.finish()
     assert_no_leaks(run.job_id)

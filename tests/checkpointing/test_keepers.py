@@ -187,7 +187,13 @@ def test_keepers_snapshot_reshard_node_loss_fallback(tmp_path: Path) -> None:
                 assert sorted(used) == [0, 1, 2, 3], used
 
             # ---- node b lost: its ranks and its keeper die; restore from keeper-head alone.
+            b_id = cluster.node_id("b")
             cluster.kill_node("b")
+            # Restore once Ray has seen the loss (~3 s with LocalCluster's health checks), as the
+            # supervisor does: before that a dead keeper can still look reachable.
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and any(n["NodeID"] == b_id and n["Alive"] for n in ray.nodes()):
+                time.sleep(0.2)
             port = free_port()
             outs = ray.get([
                 actors[r].restore_phase.remote(r, 2, port, JOB, keepers, ckpt_uri, losses, False) for r in range(2)

@@ -67,14 +67,10 @@ def from_hf_name(name: str) -> str | None:
     return None
 
 
-def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """The `config.json` of a LlamaForCausalLM with our model's shape."""
-    if cfg.moe is not None:
-        raise HFInteropError("model.moe is set: only dense Llama models export to Hugging Face format")
+def decoder_config_dict(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """The config.json fields every HF decoder of our shape shares (Llama and Mixtral)."""
     dtype_name = str(dtype).removeprefix("torch.")
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.dim,
         "intermediate_size": cfg.ffn_dim,
@@ -89,13 +85,24 @@ def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict
         "rope_theta": cfg.rope_theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
         "tie_word_embeddings": cfg.tie_embeddings,
-        "attention_bias": False,
-        "mlp_bias": False,
         "torch_dtype": dtype_name,
         "dtype": dtype_name,
         "bos_token_id": None,
         "eos_token_id": None,
         "use_cache": True,
+    }
+
+
+def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """The `config.json` of a LlamaForCausalLM with our model's shape."""
+    if cfg.moe is not None:
+        raise HFInteropError("model.moe is set: only dense Llama models export to Hugging Face format")
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **decoder_config_dict(cfg, dtype),
+        "attention_bias": False,
+        "mlp_bias": False,
     }
 
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from parallel.config import ModelConfig, MoEConfig
-from parallel.hf import HFInteropError, from_hf_name, model_config_from_hf, to_hf_name
+from parallel.hf import HFInteropError, decoder_config_dict, from_hf_name, model_config_from_hf, to_hf_name
 from parallel.model import canonical_name
 
 _MOE_RE = re.compile(r"^layers\.(\d+)\.feed_forward\.(gate\.weight|experts\.w[123])$")
@@ -43,23 +43,10 @@ def _check_exportable(cfg: ModelConfig) -> MoEConfig:
 def mixtral_config_dict(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """The `config.json` of a MixtralForCausalLM with our model's shape."""
     moe = _check_exportable(cfg)
-    dtype_name = str(dtype).removeprefix("torch.")
     return {
         "architectures": ["MixtralForCausalLM"],
         "model_type": "mixtral",
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.dim,
-        "intermediate_size": cfg.ffn_dim,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.kv_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_seq_len,
-        "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "tie_word_embeddings": cfg.tie_embeddings,
+        **decoder_config_dict(cfg, dtype),
         "num_local_experts": moe.num_experts,
         "num_experts_per_tok": moe.top_k,
         "router_aux_loss_coef": moe.aux_loss_coef,
@@ -67,11 +54,6 @@ def mixtral_config_dict(cfg: ModelConfig, dtype: torch.dtype = torch.float32) ->
         "router_jitter_noise": 0.0,
         "sliding_window": None,
         "attention_dropout": 0.0,
-        "torch_dtype": dtype_name,
-        "dtype": dtype_name,
-        "bos_token_id": None,
-        "eos_token_id": None,
-        "use_cache": True,
     }
 
 

@@ -4,6 +4,7 @@ Layout under a checkpoint root:
     step-00000100/__0_0.distcp ...   one DCP data object per rank
     step-00000100/.metadata          DCP's global metadata (written by the coordinator)
     step-00000100/manifest.json      written LAST, by rank 0, after every rank's objects are done
+                                     (it also records the engine config the state was trained with)
     fences/gen-00000003.json         "generation 3 resumed from step N" (see catalog.py)
 
 A step folder without a readable manifest is an incomplete checkpoint and is never loaded.
@@ -58,6 +59,10 @@ class Manifest:
     files: list[FileEntry]
     created_at: float = field(default_factory=time.time)
     format: str = FORMAT
+    # The EngineConfig (JSON data) the state was trained with, so the checkpoint alone can rebuild
+    # the model (export-hf). Inside the manifest, so it appears atomically with the checkpoint.
+    # None in checkpoints written before it was recorded.
+    config: dict[str, Any] | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -89,9 +94,12 @@ class Manifest:
                 layout=dict(d.get("layout") or {}),
                 files=files,
                 created_at=float(d["created_at"]),
+                config=d.get("config"),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ManifestError(f"{where}: missing or bad field {e}; the manifest is corrupt") from None
+        if m.config is not None and not isinstance(m.config, dict):
+            raise ManifestError(f"{where}: config is a {type(m.config).__name__}, not an object; the manifest is corrupt")
         for f in files:
             if "/" in f.name or f.name in ("", ".", "..") or len(f.sha256) != 64:
                 raise ManifestError(f"{where}: bad file entry {f.name!r}; the manifest is corrupt")

@@ -342,7 +342,8 @@ class _Tiers:
             out = {"step": step, "blocking_s": handle.blocking_s}
         if self.persist_every and step % self.persist_every == 0:
             layout = {"dp": trainer.dims.dp, "world_size": self.world}
-            handle = self.persistent.save_async(trainer.state_dict(), step, generation, layout)
+            handle = self.persistent.save_async(trainer.state_dict(), step, generation, layout,
+                                                config=trainer.cfg.model_dump(mode="json"))  # export-hf needs it
             if self.rank == 0:
                 handle.add_done_callback(self._persisted)
         return out

@@ -53,19 +53,41 @@ def train(
 
 
 def export_hf_cmd(
-    source: str = typer.Argument(..., help="a run folder (from `unbroken train`) or its final/ folder"),
+    source: str = typer.Argument(
+        ...,
+        help="a run folder (from `unbroken train`) or its final/ folder; or persistent checkpoints: "
+        "file:///path, a local checkpoint root, s3://bucket/prefix (optionally ending in step-NNNNNNNN)",
+    ),
     out_dir: Path = typer.Argument(..., help="where to write the Hugging Face folder"),
+    step: int | None = typer.Option(
+        None, "--step", min=0, help="export this checkpoint step (default: the newest valid checkpoint)"
+    ),
+    model_config: Path | None = typer.Option(
+        None, "--model-config", help="job YAML/JSON whose `model` section describes the model, for "
+        "checkpoints that do not record it",
+    ),
+    endpoint_url: str | None = typer.Option(
+        None, "--endpoint-url", help="S3 endpoint, e.g. http://127.0.0.1:8333 (or AWS_ENDPOINT_URL)"
+    ),
+    region: str | None = typer.Option(None, "--region", help="S3 region (or AWS_REGION)"),
 ) -> None:
-    """Export a run's final weights as a Hugging Face LlamaForCausalLM folder."""
+    """Export a run's final weights or a checkpoint's model as a Hugging Face folder
+    (LlamaForCausalLM; MixtralForCausalLM for MoE models)."""
     from parallel.hf import HFInteropError, export_hf
-    from workers.final_state import ExportSourceError, resolve_export_source
+    from workers.final_state import ExportOptions, ExportSourceError, resolve_export_source
 
+    opts = ExportOptions(step=step, endpoint_url=endpoint_url, region=region,
+                         model_config=str(model_config) if model_config is not None else None)  # fmt: skip
     try:
-        state, model_cfg = resolve_export_source(source)
-        export_hf(state, model_cfg, str(out_dir))
+        found = resolve_export_source(source, opts)
+        export_hf(found.state, found.model, str(out_dir))
     except (ExportSourceError, HFInteropError) as e:
         _fail(str(e), EXIT_INVALID)
-    typer.echo(f"wrote {out_dir}/config.json and {out_dir}/model.safetensors (LlamaForCausalLM)")
+    for note in found.notes:
+        typer.secho(f"note: {note}", fg=typer.colors.YELLOW, err=True)
+    arch = "MixtralForCausalLM" if found.model.moe is not None else "LlamaForCausalLM"
+    typer.echo(f"exported {found.origin}")
+    typer.echo(f"wrote {out_dir}/config.json and {out_dir}/model.safetensors ({arch})")
 
 
 def register(app: typer.Typer) -> None:

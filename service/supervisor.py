@@ -36,6 +36,7 @@ from service import sizing
 from service.placement import ReplicaReservation, release, release_job_groups, reserve_replica
 from service.policies import FailurePolicy, ScalingPolicy, StragglerPolicy
 from service.state_machine import STORE_STATUS, JobState, StateMachine
+from workers import telemetry
 
 log = logging.getLogger("unbroken.supervisor")
 
@@ -43,6 +44,25 @@ NAMESPACE = "unbroken"
 _POLL_S = 0.05
 _LINGER_S = 600.0  # without a store, stay readable this long after the end (or until shutdown())
 _START_GRACE_S = 2.0
+_HEARTBEAT_GAUGE_S = 1.0  # how often heartbeat ages are exported
+_KEEPER_GAUGE_S = 5.0  # how often the keepers' memory is asked for and exported
+
+
+def _echo_events_to_actor_log() -> None:
+    """Job events go to this actor's stdout, which Ray keeps as the supervisor's log (the dashboard's
+    actor view, `ray logs actor`, and the driver when it streams logs). Python's root logger drops
+    INFO, so the unbroken loggers get a handler of their own, once per process."""
+    import sys
+
+    logger = logging.getLogger("unbroken")
+    if any(getattr(h, "_unbroken_echo", False) for h in logger.handlers):
+        return
+    h = logging.StreamHandler(sys.stdout)
+    h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    h._unbroken_echo = True  # type: ignore[attr-defined]
+    logger.addHandler(h)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
 
 
 def rank_of(replica_pos: int, local: int, dp: int, cp_tp: int) -> int:
@@ -106,6 +126,7 @@ class Supervisor:
     def __init__(self, job_id: str, spec_json: str, store_url: str | None, namespace: str = NAMESPACE) -> None:
         from service.spec import JobSpec
 
+        _echo_events_to_actor_log()
         self.job_id = job_id
         self.spec = JobSpec.model_validate_json(spec_json)
         self.spec_json = spec_json
@@ -151,6 +172,9 @@ class Supervisor:
         self._recovery: dict[str, Any] | None = None
         self._pausing: int | None = None
         self._metrics_log: Any = None
+        self._tb: Any = None  # workers.tensorboard.TensorBoardLog when the spec asks for it
+        self._gauges_at = {"heartbeat": 0.0, "keepers": 0.0}
+        self._keeper_polls: dict[str, Any] = {}  # node -> ObjectRef of a memory_report in flight
         self._last_row: dict[str, Any] | None = None
         self.keepers: dict[str, Any] = {}
         self._acks: dict[tuple[int, int], dict[str, Any]] = {}  # (generation, step) -> rank -> ok
@@ -267,6 +291,8 @@ class Supervisor:
             return
         for r in rows:
             self._metrics_log.write(r)
+            if self._tb is not None:
+                self._tb.log_line(r)
         self._last_row = rows[-1]
         if self.store is not None:
             with contextlib.suppress(Exception):
@@ -290,6 +316,10 @@ class Supervisor:
 
                 self._last_row_step = max([int(r["step"]) for r in read_metrics(metrics_path)] + [0])
             self._metrics_log = MetricsLog(metrics_path, truncate=not self.restarted)
+            if self.spec.tensorboard:
+                from workers.tensorboard import TensorBoardLog
+
+                self._tb = TensorBoardLog(self.output_dir / "tensorboard")
             if self.restarted:
                 self._event("supervisor_restarted", "the supervisor restarted; finding the job's workers")
                 self._adopt()
@@ -312,6 +342,9 @@ class Supervisor:
             self._release_all()
             with contextlib.suppress(Exception):
                 self._metrics_log.close()
+            if self._tb is not None:
+                with contextlib.suppress(Exception):
+                    self._tb.close()
             self._done.set()
             self._exit()
 
@@ -607,6 +640,7 @@ class Supervisor:
         for s in slots:
             s.run_ref = s.handle.run.remote(generation, s.rank, world, host, port, dp, restore=target,
                                             timeout_s=timeout, keepers=self.keepers or None)
+        telemetry.record_group(self.job_id, dp, generation)
         self._event("generation", f"generation {generation}: {world} worker(s), dp={dp}"
                     + (f", restoring snapshot {target}" if target else ""),
                     generation=generation, dp=dp, world_size=world, restore=target,
@@ -673,10 +707,41 @@ class Supervisor:
                 if seen is not None and now - seen > hb_timeout:
                     return Failure("hang", [s], f"{s.name} (rank {s.rank}) sent no heartbeat for "
                                    f"{now - seen:.1f}s (heartbeat_timeout_s={hb_timeout:g})", now, t_fault=seen)
+            self._export_gauges(slots, hbs, now)
             f = self._check_stragglers(slots)
             if f is not None:
                 return f
             self._maybe_grow(slots)
+
+    def _export_gauges(self, slots: list[Slot], hbs: dict[str, tuple[float, dict[str, Any]]], now: float) -> None:
+        """Heartbeat age per rank (every second) and the keepers' memory (every few seconds)."""
+        if now - self._gauges_at["heartbeat"] >= _HEARTBEAT_GAUGE_S:
+            self._gauges_at["heartbeat"] = now
+            for s in slots:
+                seen = hbs.get(s.name, (None, None))[0]
+                if seen is not None and s.rank >= 0:
+                    telemetry.record_heartbeat_age(self.job_id, s.rank, max(0.0, now - seen))
+        if self.keepers and now - self._gauges_at["keepers"] >= _KEEPER_GAUGE_S:
+            self._gauges_at["keepers"] = now
+            self._poll_keeper_memory()
+
+    def _poll_keeper_memory(self) -> None:
+        """Export the answers of the last poll, ask again; never waits (a lost keeper must not stall the
+        watch loop, which is what notices it)."""
+        pending = self._keeper_polls
+        for node in [n for n in pending if n not in self.keepers]:
+            pending.pop(node)  # its keeper was dropped with its node
+        if pending:
+            ready, _ = ray.wait(list(pending.values()), num_returns=len(pending), timeout=0)
+            for node, ref in list(pending.items()):
+                if ref in ready:
+                    pending.pop(node)
+                    with contextlib.suppress(Exception):
+                        telemetry.record_keeper_memory(node, int(ray.get(ref)["used_bytes"]))
+        for node, handle in self.keepers.items():
+            if node not in pending:
+                with contextlib.suppress(Exception):
+                    pending[node] = handle.memory_report.remote()
 
     def _collect(self, s: Slot) -> Failure | None:
         """Read a finished run call; a failure when it did not end well."""
@@ -799,6 +864,7 @@ class Supervisor:
         if not ok:
             raise JobFailed(f"{failure.detail}; not recovering: {why}")
         self.recoveries += 1
+        telemetry.record_recovery(self.job_id, failure.kind)
         self._pausing = None
         active = [r for r in self.replicas.values() if r.state == "active"]
         slots = [s for r in active for s in r.slots]
@@ -884,6 +950,10 @@ class Supervisor:
         replay_s = max(0.0, now - t_formed)
         total = now - (rec["t_fault"] or rec["t_detect"])
         self._recovery = None
+        if self._tb is not None:
+            with contextlib.suppress(Exception):
+                self._tb.log_recovery(int(row["step"]), int(rec["generation"]), str(rec["kind"]),
+                                      f"restored step {restored} from {'/'.join(sources)}")
         self._event(
             "restored",
             f"generation {rec['generation']} restored step {restored} from {'/'.join(sources)} and completed "
@@ -944,6 +1014,11 @@ class Supervisor:
                 from checkpointing.keeper import drop_job
 
                 freed = drop_job(self.keepers, self.job_id)
+            with contextlib.suppress(Exception):  # so the gauge shows the memory given back
+                from checkpointing.keeper import memory_reports
+
+                for node, rep in memory_reports(self.keepers, timeout_s=5.0).items():
+                    telemetry.record_keeper_memory(node, int(rep["used_bytes"]))
         self._event("released", f"workers, placement groups and {freed} bytes of keeper memory released",
                     keeper_bytes=freed)
 

@@ -73,4 +73,14 @@ def job_problems(spec: Any, cluster_total: dict[str, float] | None = None) -> li
     """Every (field, message) that stops this job from ever running; empty when it can run."""
     engine = engine_layout_problems(spec)
     layout = sizing.model_layout_problems(spec) if engine is None and not spec.parallelism.auto else engine or []
-    return layout + sizing.dp_problems(spec) + sizing.cluster_problems(spec, cluster_total)
+    return layout + sizing.dp_problems(spec) + sizing.cluster_problems(spec, cluster_total) + _extras_problems(spec)
+
+
+def _extras_problems(spec: Any) -> list[tuple[str, str]]:
+    """Optional features whose package is missing where the job's supervisor would run."""
+    import importlib.util
+
+    if getattr(spec, "tensorboard", False) and importlib.util.find_spec("tensorboard") is None:
+        return [("tensorboard", "tensorboard: true needs the tensorboard package: "
+                 "pip install 'unbroken[tensorboard]', or set tensorboard: false")]
+    return []

@@ -15,9 +15,15 @@ matters (the step time is a gauge for that reason).
 
 from __future__ import annotations
 
+import functools
+import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, ParamSpec, Protocol
+
+log = logging.getLogger("unbroken.telemetry")
+_P = ParamSpec("_P")
 
 PREFIX = "ray_"  # what Ray's exporter puts before every application metric
 
@@ -81,6 +87,10 @@ API_METRICS: tuple[str, ...] = (
     "unbroken_api_request_seconds_count",
     "unbroken_queue_length",
     "unbroken_jobs",
+    "unbroken_job_info",
+    "unbroken_job_step",
+    "unbroken_job_dp",
+    "unbroken_job_recoveries",
 )
 
 
@@ -125,6 +135,24 @@ def _get() -> dict[str, Any] | None:
     return _metrics
 
 
+def _never_raises(fn: Callable[_P, None]) -> Callable[_P, None]:
+    """Metrics are called from the training loop and checkpoint threads: a failing export is logged
+    (once per function) and never stops training."""
+    warned = False
+
+    @functools.wraps(fn)
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> None:
+        nonlocal warned
+        try:
+            fn(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001
+            if not warned:
+                warned = True
+                log.warning("metric %s not recorded: %s: %s", fn.__name__, type(e).__name__, e)
+
+    return wrapper
+
+
 def _tags(job_id: str, rank: int | None = None) -> dict[str, str]:
     tags = {"job_id": str(job_id)}
     if rank is not None:
@@ -132,6 +160,7 @@ def _tags(job_id: str, rank: int | None = None) -> dict[str, str]:
     return tags
 
 
+@_never_raises
 def record_step(job_id: str, rank: int, m: StepLike, dp: int, generation: int) -> None:
     """One completed step of one rank: step time, tokens/s, MFU (when known), loss, dp, generation."""
     ms = _get()
@@ -149,6 +178,7 @@ def record_step(job_id: str, rank: int, m: StepLike, dp: int, generation: int) -
     ms["unbroken_generation"].set(float(generation), tags=job)
 
 
+@_never_raises
 def record_snapshot(job_id: str, rank: int, seconds: float, nbytes: int) -> None:
     """One in-memory snapshot of one rank: how long it took and how many bytes it holds."""
     ms = _get()
@@ -159,6 +189,7 @@ def record_snapshot(job_id: str, rank: int, seconds: float, nbytes: int) -> None
     ms["unbroken_snapshot_bytes"].set(float(nbytes), tags=tags)
 
 
+@_never_raises
 def record_checkpoint(job_id: str, rank: int, seconds: float, nbytes: int) -> None:
     """One persistent checkpoint write of one rank (its shard): duration and bytes written."""
     ms = _get()
@@ -169,6 +200,7 @@ def record_checkpoint(job_id: str, rank: int, seconds: float, nbytes: int) -> No
     ms["unbroken_checkpoint_bytes"].set(float(nbytes), tags=tags)
 
 
+@_never_raises
 def record_recovery(job_id: str, cause: str) -> None:
     """One recovery of a job; cause is short and from a small set (e.g. actor_died, node_lost,
     heartbeat_timeout, collective_error, chaos) so the label stays low-cardinality."""
@@ -178,6 +210,7 @@ def record_recovery(job_id: str, cause: str) -> None:
     ms["unbroken_recoveries_total"].inc(1.0, tags={"job_id": str(job_id), "cause": str(cause)})
 
 
+@_never_raises
 def record_group(job_id: str, dp: int, generation: int) -> None:
     """The worker group's shape after a (re)formation, before the first step reports it."""
     ms = _get()
@@ -188,6 +221,7 @@ def record_group(job_id: str, dp: int, generation: int) -> None:
     ms["unbroken_generation"].set(float(generation), tags=job)
 
 
+@_never_raises
 def record_heartbeat_age(job_id: str, rank: int, age_s: float) -> None:
     """Seconds since the supervisor last heard from `rank` (the supervisor's watch loop)."""
     ms = _get()
@@ -196,6 +230,7 @@ def record_heartbeat_age(job_id: str, rank: int, age_s: float) -> None:
     ms["unbroken_heartbeat_age_s"].set(float(age_s), tags=_tags(job_id, rank))
 
 
+@_never_raises
 def record_keeper_memory(node: str, nbytes: int) -> None:
     """Snapshot bytes a keeper holds now; `node` is the keeper's node name."""
     ms = _get()

@@ -35,6 +35,7 @@ from typing import Any
 import ray
 
 from checkpointing.keeper import current_node_name
+from workers import telemetry
 
 log = logging.getLogger("unbroken.worker")
 
@@ -240,6 +241,7 @@ class Worker:
             m = trainer.train_step()
             self.step = trainer.step
             self.max_step_time_s = max(self.max_step_time_s or 0.0, m.step_time_s)
+            telemetry.record_step(self.opts.job_id, rank, m, dp=trainer.dims.dp, generation=generation)
             snap = tiers.after_step(trainer, generation)
             self._last = {"gap_s": entered - t_prev, "step_time_s": m.step_time_s, "loss": m.loss}
             extra: dict[str, Any] = {"snapshot": snap}
@@ -344,11 +346,12 @@ class _Tiers:
             layout = {"dp": trainer.dims.dp, "world_size": self.world}
             handle = self.persistent.save_async(trainer.state_dict(), step, generation, layout,
                                                 config=trainer.cfg.model_dump(mode="json"))  # export-hf needs it
-            if self.rank == 0:
-                handle.add_done_callback(self._persisted)
+            handle.add_done_callback(self._persisted)
         return out
 
     def _snapshotted(self, res: Any) -> None:
+        if res.ok:
+            telemetry.record_snapshot(self.w.opts.job_id, self.rank, res.blocking_s + res.send_s, res.nbytes)
         with contextlib.suppress(Exception):
             self.w.supervisor.report.remote({
                 "type": "snapshot", "worker": self.w.name, "step": res.step, "generation": res.generation,
@@ -357,6 +360,12 @@ class _Tiers:
             })
 
     def _persisted(self, res: Any) -> None:
+        """Every rank exports its shard's write; rank 0 tells the supervisor (one event per checkpoint)."""
+        if res.ok:
+            telemetry.record_checkpoint(self.w.opts.job_id, self.rank, res.blocking_s + res.upload_s,
+                                        res.bytes_written)
+        if self.rank != 0:
+            return
         with contextlib.suppress(Exception):
             self.w.supervisor.report.remote({
                 "type": "checkpoint", "worker": self.w.name, "step": res.step, "generation": res.generation,

@@ -1,5 +1,9 @@
 """Prometheus /metrics: request counts and latency (recorded by the app's middleware), the queue
-length and jobs by status (read from the store at scrape time). One registry per app."""
+length, jobs by status, and one series per unfinished job with its `job_id` (read from the store at
+scrape time). One registry per app.
+
+The per-job series are the control plane's view (what the store knows); the per-rank training
+metrics come from the Ray nodes' own endpoints (workers/telemetry.py)."""
 
 from __future__ import annotations
 
@@ -28,6 +32,20 @@ class StoreCollector(Collector):
             by_status.add_metric([status], n)
         yield by_status
         yield GaugeMetricFamily("unbroken_queue_length", "jobs waiting for admission", value=self.store.queue_length())
+        info = GaugeMetricFamily("unbroken_job_info", "an unfinished job (always 1): its name, owner and status",
+                                 labels=["job_id", "name", "owner", "status"])
+        step = GaugeMetricFamily("unbroken_job_step", "last step the job reported", labels=["job_id"])
+        dp = GaugeMetricFamily("unbroken_job_dp", "data-parallel degree the job last reported", labels=["job_id"])
+        recov = GaugeMetricFamily("unbroken_job_recoveries", "recoveries of the job so far", labels=["job_id"])
+        for job in self.store.admitted_jobs():
+            info.add_metric([job.id, job.name, job.owner, job.status], 1.0)
+            progress = job.progress or {}
+            if isinstance(progress.get("step"), int | float):
+                step.add_metric([job.id], float(progress["step"]))
+            if isinstance(progress.get("dp"), int | float):
+                dp.add_metric([job.id], float(progress["dp"]))
+            recov.add_metric([job.id], float(job.recoveries))
+        yield from (info, step, dp, recov)
 
 
 class ApiMetrics:

@@ -5,34 +5,16 @@ its job."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import ray
 
-pytest.importorskip("service.supervisor", reason="the supervisor (service/supervisor.py) is not built yet")
-
-import ray  # noqa: E402
-
-from api.app import create_app  # noqa: E402
-from api.client import Client  # noqa: E402
-from api.server import BackgroundServer  # noqa: E402
-from service.scheduler import Scheduler  # noqa: E402
-from service.store import JobStore  # noqa: E402
+from tests.control_plane import ControlPlane, until
 
 CPUS = 2
-
-
-def until(check: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(0.25)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def spec(tmp: Path, name: str, steps: int, cpus: float = 1.0) -> dict[str, Any]:
@@ -53,23 +35,6 @@ def ray_cluster() -> Iterator[None]:
         yield
     finally:
         ray.shutdown()
-
-
-class ControlPlane:
-    def __init__(self, db: str) -> None:
-        self.store = JobStore(db)
-        self.scheduler = Scheduler(self.store, interval_s=0.2, liveness_every_s=1.0)
-        self.scheduler.start()
-        self.server = BackgroundServer(create_app(self.store, self.scheduler)).start()
-        self.token = self.store.create_token("e2e", "user")
-
-    def client(self) -> Client:
-        return Client(self.server.url, self.token)
-
-    def stop(self) -> None:
-        self.server.stop()
-        self.scheduler.stop()
-        self.store.close()
 
 
 @pytest.mark.slow

@@ -34,9 +34,15 @@ def all_exprs(d: dict[str, Any]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def api_metric_names(tmp_path_factory: pytest.TempPathFactory) -> set[str]:
-    """Series names the API serves, after one request so the request counters exist."""
+    """Series names the API serves, after one request so the request counters exist, with one admitted
+    job that has reported a step so the per-job series exist."""
+    from service.spec import parse_spec
+
     store = JobStore(f"sqlite:///{tmp_path_factory.mktemp('db') / 'u.db'}")
     try:
+        job, _ = store.create_job(parse_spec({"model": {"preset": "tiny"}}), "u", min_world=1, max_world=1)
+        assert store.mark_admitted(job.id)
+        store.add_metrics(job.id, [{"step": 3, "dp": 1, "loss": 5.0}])
         with TestClient(create_app(store, None)) as c:
             assert c.get("/healthz").status_code == 200
             text = c.get("/metrics").text
@@ -77,7 +83,8 @@ def test_every_metric_is_on_the_dashboard() -> None:
     for m in telemetry.METRICS:
         assert set(m.exported) & used, f"{m.name} is exported but not shown"
     for name in ("unbroken_api_requests_total", "unbroken_api_request_seconds_bucket", "unbroken_queue_length",
-                 "unbroken_jobs"):
+                 "unbroken_jobs", "unbroken_job_info", "unbroken_job_step", "unbroken_job_dp",
+                 "unbroken_job_recoveries"):
         assert name in used
 
 

@@ -87,6 +87,16 @@ class LocalCluster:
     def dashboard_url(self) -> str | None:
         return f"http://127.0.0.1:{self.dashboard_port}" if self.dashboard else None
 
+    @staticmethod
+    def dashboard_headers() -> dict[str, str]:
+        """HTTP headers the dashboard's REST API needs from this driver: Ray's token when the cluster
+        runs with token auth. Ray turns that on by itself for a new local cluster, and for any cluster
+        started once ~/.ray/auth_token exists (unless RAY_AUTH_MODE says otherwise), so whether it is
+        on depends on the machine's history: ask Ray rather than guess. Call after connect()."""
+        from ray._private.authentication.http_token_authentication import get_auth_headers_if_auth_enabled
+
+        return dict(get_auth_headers_if_auth_enabled({}))
+
     def start(self) -> str:
         head_args: dict[str, Any] = {
             "num_cpus": self.head_cpus,

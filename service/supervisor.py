@@ -577,9 +577,15 @@ class Supervisor:
             self.keepers.update(ensure_keepers(missing, memory_limit_mb=self.spec.checkpoint.keeper_memory_limit_mb))
 
     def _commit_snapshots(self) -> None:
-        """Commit the newest snapshot every rank has acknowledged (the keepers check the copies)."""
+        """Commit the newest snapshot every rank has acknowledged (the keepers check the copies).
+
+        Only up to the last step whose metrics row is written: a restore never skips a step whose row
+        was lost (e.g. held in memory when this supervisor crashed), since it goes back and re-runs it.
+        """
+        self._flush_metrics()
         with self._lock:
-            ready = sorted((k for k, v in self._acks.items() if len(v["ranks"]) >= v["world"]), reverse=True)
+            ready = sorted((k for k, v in self._acks.items()
+                            if len(v["ranks"]) >= v["world"] and k[1] <= self._last_row_step), reverse=True)
         if not ready or not self.keepers:
             return
         from checkpointing.keeper import commit_snapshot

@@ -93,7 +93,7 @@ def missing_runtime_metrics(samples: Samples, job_id: str) -> list[str]:
 
 def dashboard_actors(cluster: LocalCluster, prefix: str) -> list[dict[str, Any]]:
     q = urllib.parse.urlencode({"detail": "true", "limit": 1000})
-    r = httpx.get(f"{cluster.dashboard_url}/api/v0/actors?{q}", timeout=30)
+    r = httpx.get(f"{cluster.dashboard_url}/api/v0/actors?{q}", headers=cluster.dashboard_headers(), timeout=30)
     r.raise_for_status()
     return [a for a in r.json()["data"]["result"]["result"] if str(a.get("name", "")).startswith(prefix)]
 
@@ -104,7 +104,7 @@ def test_running_job_metrics_actors_logs_and_tensorboard(cluster: LocalCluster, 
 
     assert cluster.metrics_export_port is not None and cluster.dashboard_url is not None
     # The dashboard we are about to ask is this cluster's (not one left by another test).
-    version = httpx.get(f"{cluster.dashboard_url}/api/version", timeout=30).json()
+    version = httpx.get(f"{cluster.dashboard_url}/api/version", headers=cluster.dashboard_headers(), timeout=30).json()
     assert version["session_name"] == ray._private.worker.global_worker.node.session_name, version
 
     cp = ControlPlane(f"sqlite:///{tmp_path / 'jobs.db'}")

@@ -4,7 +4,6 @@ dashboard's state REST API. One private cluster (LocalCluster, dashboard on) for
 
 from __future__ import annotations
 
-import os
 import time
 import urllib.parse
 from collections.abc import Iterator
@@ -137,20 +136,20 @@ def test_metrics_reach_prometheus_endpoint(cluster: LocalCluster, reporter: ray.
     assert telemetry.exported_names() <= seen, telemetry.exported_names() - seen
 
 
-# Passes alone and after tests/runtime's other modules (measured), but failed twice in the full
-# suite: the dashboard answered 200 with no actors for 90 s. Until the cross-test cause is found,
-# it runs on request (UNBROKEN_DASHBOARD_CHECK=1) rather than failing CI for every other change.
-@pytest.mark.skipif(os.environ.get("UNBROKEN_DASHBOARD_CHECK") != "1",
-                    reason="order-dependent in the full suite; run with UNBROKEN_DASHBOARD_CHECK=1")
+# The dashboard needs Ray's token once Ray has turned token auth on (it does for any cluster started
+# after ~/.ray/auth_token exists, i.e. after an earlier test's `ray.init`): without the header every
+# request is a 401, which is why this check once failed only in the full suite.
 def test_named_actor_is_listed_by_dashboard(cluster: LocalCluster, reporter: ray.actor.ActorHandle) -> None:
     assert ray.get_actor(ACTOR, namespace="unbroken")._actor_id == reporter._actor_id
     assert cluster.dashboard_url is not None
+    version = httpx.get(f"{cluster.dashboard_url}/api/version", headers=cluster.dashboard_headers(), timeout=30).json()
+    assert version["session_name"] == ray._private.worker.global_worker.node.session_name, version
     q = urllib.parse.urlencode({"filter_keys": "name", "filter_predicates": "=", "filter_values": ACTOR,
                                 "detail": "true"})
     deadline = time.monotonic() + DEADLINE_S
     rows: list = []
     while time.monotonic() < deadline:
-        r = httpx.get(f"{cluster.dashboard_url}/api/v0/actors?{q}", timeout=30)
+        r = httpx.get(f"{cluster.dashboard_url}/api/v0/actors?{q}", headers=cluster.dashboard_headers(), timeout=30)
         if r.status_code == 200:
             rows = r.json()["data"]["result"]["result"]
             if rows and rows[0]["state"] == "ALIVE":

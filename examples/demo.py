@@ -502,8 +502,8 @@ def _run(args: argparse.Namespace, steps: int, kill: int, console: Console, run_
     # ---- 6. summary
     section(console, 6, "Summary")
     summarize(console, client, job, s3, run_dir)
-    console.print(f"Ray dashboard: {cluster.dashboard_url} (jobs' actors: job-{job.id}/...; it stops with the demo)",
-                  highlight=False)
+    console.print(f"Ray dashboard: {cluster.dashboard_url} (jobs' actors: job-{job.id}/...; it stops with the demo; "
+                  "if it asks for a token, Ray turned its token auth on: `ray get-auth-token`)", highlight=False)
     return 0 if job.status == "SUCCEEDED" else 1
 
 

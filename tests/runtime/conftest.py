@@ -6,11 +6,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from service.local_cluster import LocalCluster
+from service.local_cluster import LocalCluster, free_port
 
 
-def make_cluster(head_cpus: float, nodes: dict[str, float]) -> Iterator[LocalCluster]:
-    cluster = LocalCluster(head_cpus=head_cpus)
+def make_cluster(head_cpus: float, nodes: dict[str, float], *, observed: bool = False) -> Iterator[LocalCluster]:
+    """observed: with the dashboard and the node's Prometheus endpoint (on a free port)."""
+    cluster = LocalCluster(head_cpus=head_cpus, dashboard=observed,
+                           metrics_export_port=free_port() if observed else None)
     try:
         cluster.start()
         for name, cpus in nodes.items():

@@ -23,8 +23,9 @@ import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.local_cluster import LocalCluster, free_port
+from service.local_cluster import LocalCluster
 from tests.control_plane import ControlPlane, until
+from tests.runtime.conftest import make_cluster
 from tests.runtime.jobs import TINY_MODEL
 from workers import telemetry
 
@@ -34,13 +35,7 @@ KILLED_AT = 6
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
-    c = LocalCluster(head_cpus=3, dashboard=True, metrics_export_port=free_port())
-    try:
-        c.start()
-        c.connect()
-        yield c
-    finally:
-        c.shutdown()
+    yield from make_cluster(3, {}, observed=True)
 
 
 def job_spec(out: Path) -> dict[str, Any]:

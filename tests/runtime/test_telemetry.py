@@ -14,7 +14,8 @@ import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.local_cluster import LocalCluster, free_port
+from service.local_cluster import LocalCluster
+from tests.runtime.conftest import make_cluster
 from workers import telemetry
 
 JOB = "teltest1"
@@ -54,13 +55,7 @@ class Reporter:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
-    c = LocalCluster(head_cpus=1, dashboard=True, metrics_export_port=free_port())
-    try:
-        c.start()
-        c.connect()
-        yield c
-    finally:
-        c.shutdown()
+    yield from make_cluster(1, {}, observed=True)
 
 
 @pytest.fixture(scope="module")

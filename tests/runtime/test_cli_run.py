@@ -1,4 +1,6 @@
-"""`unbroken run job.yaml`: an embedded cluster, a worker killed at step 3, events streamed, exit 0."""
+"""`unbroken run job.yaml`: an embedded cluster, a worker killed at step 3, events streamed, exit 0;
+then `unbroken export-hf` of the job's last persistent checkpoint (written by 3 ranks after the
+recovery) equals the final state the job wrote."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ def test_unbroken_run_recovers_and_streams_events(tmp_path: Path) -> None:
         "parallelism": {"dp_shard": 4},
         "resources": {"cpus_per_worker": 0.5},
         "fault_tolerance": {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 20},
-        "checkpoint": {"persist_every": 0},
+        "checkpoint": {"persist_every": 3},
         "chaos": [{"kind": "kill_worker", "step": 3, "rank": 3}],
     }
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
@@ -40,6 +42,22 @@ def test_unbroken_run_recovers_and_streams_events(tmp_path: Path) -> None:
     rows = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert [r["dp"] for r in rows] == [4, 4, 4, 3, 3, 3]
+
+    # The checkpoint of step 6 (dp=3, uneven FSDP shards) records its config: export needs nothing else.
+    ckpts = (tmp_path / "out" / "checkpoints").as_uri()
+    proc = subprocess.run([sys.executable, "-c", "from api.cli import main; main()", "export-hf", ckpts, "hf"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    import torch
+    from safetensors.torch import load_file
+
+    from parallel.hf import load_hf_state_dict
+
+    exported, _ = load_hf_state_dict(str(tmp_path / "hf"))
+    final = load_file(str(tmp_path / "out" / "final" / "model.safetensors"))
+    assert exported.keys() == final.keys()
+    for k in final:
+        assert torch.equal(exported[k], final[k]), k
 
 
 def test_unbroken_run_refuses_a_bad_job_file(tmp_path: Path) -> None:

@@ -27,6 +27,7 @@ This module imports ray (checkpointing's keepers are allowed to) but not torch.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -75,6 +76,21 @@ class _Shard:
         return int(self.blob.nbytes) + len(self.layout) + len(self.extras)
 
 
+# The keeper's memory, exported by the keeper itself on every change (one owner, no polling);
+# workers/telemetry.py lists it with the runtime's other metrics for the dashboard.
+MEMORY_METRIC = "unbroken_keeper_memory_bytes"
+MEMORY_METRIC_HELP = "snapshot bytes held by a node's keeper"
+
+
+def _memory_gauge() -> Any:
+    """A Ray gauge where this process is connected to Ray, else None (a keeper used in-process)."""
+    if not ray.is_initialized():
+        return None
+    from ray.util.metrics import Gauge
+
+    return Gauge(MEMORY_METRIC, description=MEMORY_METRIC_HELP, tag_keys=("node",))
+
+
 class Keeper:
     """The actor class (use ensure_keepers; `ray.remote` is applied there)."""
 
@@ -85,6 +101,7 @@ class Keeper:
             )
         self.node = node
         self.limit = int(memory_limit_mb) * 1024 * 1024
+        self._gauge = _memory_gauge()
         self.used = 0
         self._lock = threading.Lock()
         self._shards: dict[ShardKey, _Shard] = {}
@@ -95,6 +112,18 @@ class Keeper:
         # take as long as the copy itself. Pooled bytes count against the limit, and are dropped first.
         self._pool: dict[int, list[np.ndarray]] = {}
         self.pool_bytes = 0
+
+    @property
+    def used(self) -> int:
+        """Bytes of shards held (and reserved for shards being received)."""
+        return self._used
+
+    @used.setter
+    def used(self, nbytes: int) -> None:
+        self._used = nbytes
+        if self._gauge is not None:
+            with contextlib.suppress(Exception):  # a failed export must not fail a snapshot
+                self._gauge.set(float(nbytes), tags={"node": self.node})
 
     # ------------------------------------------------------------------ writing
     def put_shard(
@@ -431,6 +460,6 @@ def drop_job(keepers: dict[str, ActorHandle], job_id: str) -> int:
     return int(sum(results.values()))
 
 
-def memory_reports(keepers: dict[str, ActorHandle], timeout_s: float = 30.0) -> dict[str, dict[str, Any]]:
-    """{node: Keeper.memory_report()} of every keeper that answers within timeout_s."""
-    return _call_all(keepers, "memory_report", timeout_s=timeout_s)[0]
+def memory_reports(keepers: dict[str, ActorHandle]) -> dict[str, dict[str, Any]]:
+    """{node: Keeper.memory_report()} of every live keeper."""
+    return _call_all(keepers, "memory_report")[0]

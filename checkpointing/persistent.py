@@ -1,9 +1,9 @@
 """The persistent checkpoint tier: asynchronous DCP saves to file:// or s3://, retention, loading.
 
-    mgr = CheckpointManager(cfg, default_root, rank=r, world_size=w)   # collective when w > 1
+    mgr = CheckpointManager(cfg, default_root, rank=r, world_size=w,    # collective when w > 1
+                            config=trainer.cfg.model_dump(mode="json"))  # into every manifest (export-hf)
     handle = mgr.save_async(trainer.state_dict(), step, generation, layout,
-                            optimizer=trainer.optimizer,  # host copy overlaps the next forward/backward
-                            config=trainer.cfg.model_dump(mode="json"))  # into the manifest (export-hf)
+                            optimizer=trainer.optimizer)  # host copy overlaps the next forward/backward
     ...train on...
     result = handle.result()           # SaveResult(ok=..., error=...); never raises storage errors
     info = mgr.latest_valid()          # collective when w > 1; mgr.skipped says why newer ones were not
@@ -150,9 +150,17 @@ class CheckpointManager:
         rank: int,
         world_size: int,
         process_group: dist.ProcessGroup | None = None,
+        config: dict[str, Any] | None = None,
     ) -> None:
+        """`config` (JSON data, normally the EngineConfig the state is trained with) goes into every
+        manifest: with it a checkpoint alone is enough to rebuild the model (`unbroken export-hf`)."""
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} world_size={world_size}: need 0 <= rank < world_size")
+        try:
+            # A copy, checked once: later changes to the caller's dict stay out of the manifests.
+            self.config: dict[str, Any] | None = json.loads(json.dumps(config)) if config is not None else None
+        except TypeError as e:
+            raise ValueError(f"config must be JSON-serializable (it goes into the manifest): {e}") from None
         self.cfg = cfg
         self.uri = cfg.uri or default_root
         self.store = open_store(self.uri, cfg.s3)
@@ -189,12 +197,8 @@ class CheckpointManager:
         layout: dict[str, Any],
         *,
         optimizer: torch.optim.Optimizer | None = None,
-        config: dict[str, Any] | None = None,
     ) -> SaveHandle:
         """Copy `state` to host memory, then upload it in the background. Collective.
-
-        `config` (JSON data, normally the EngineConfig) is recorded in the manifest: with it the
-        checkpoint alone is enough to rebuild the model, e.g. for `unbroken export-hf`.
 
         Without `optimizer` the copy happens here (the training thread blocks for it). With it, only
         the Python values are copied here; the tensors are copied on the upload thread while training
@@ -208,11 +212,6 @@ class CheckpointManager:
             json.dumps(layout)
         except TypeError as e:
             raise ValueError(f"layout must be JSON-serializable (it goes into the manifest): {e}") from None
-        if config is not None:
-            try:
-                config = json.loads(json.dumps(config))  # a copy: later changes to the caller's dict stay out
-            except TypeError as e:
-                raise ValueError(f"config must be JSON-serializable (it goes into the manifest): {e}") from None
         self.wait()  # at most one save in flight
         t0 = time.perf_counter()
         staged_evt = threading.Event()
@@ -227,7 +226,7 @@ class CheckpointManager:
         blocking = time.perf_counter() - t0
         handle = SaveHandle(step, staged_evt, blocking)
         self._pending = handle
-        handle._future = self._executor.submit(*task, step, generation, dict(layout), blocking, config)
+        handle._future = self._executor.submit(*task, step, generation, dict(layout), blocking)
         return handle
 
     def _hook(self, optimizer: torch.optim.Optimizer) -> None:
@@ -250,7 +249,6 @@ class CheckpointManager:
         generation: int,
         layout: dict[str, Any],
         blocking: float,
-        config: dict[str, Any] | None = None,
     ) -> SaveResult:
         try:
             staged = self._stager.stage(skeleton)
@@ -261,32 +259,17 @@ class CheckpointManager:
             return res
         finally:
             staged_evt.set()
-        return self._save_staged(staged, step, generation, layout, blocking, config)
+        return self._save_staged(staged, step, generation, layout, blocking)
 
-    def save(
-        self,
-        state: dict[str, Any],
-        step: int,
-        generation: int,
-        layout: dict[str, Any],
-        *,
-        config: dict[str, Any] | None = None,
-    ) -> SaveResult:
-        return self.save_async(state, step, generation, layout, config=config).result()
+    def save(self, state: dict[str, Any], step: int, generation: int, layout: dict[str, Any]) -> SaveResult:
+        return self.save_async(state, step, generation, layout).result()
 
     def wait(self) -> SaveResult | None:
         """Wait for the save in flight, if any, and return its result."""
         pending, self._pending = self._pending, None
         return pending.result() if pending is not None else None
 
-    def _commit(
-        self,
-        step: int,
-        generation: int,
-        layout: dict[str, Any],
-        files: list[FileEntry],
-        config: dict[str, Any] | None = None,
-    ) -> None:
+    def _commit(self, step: int, generation: int, layout: dict[str, Any], files: list[FileEntry]) -> None:
         """On the coordinator, after every rank's object and .metadata are stored: the manifest, last."""
         for f in read_fences(self.store):
             if f.generation > generation:
@@ -295,25 +278,17 @@ class CheckpointManager:
                     f"{generation} may not commit step {step} (this worker is stale and should stop)"
                 )
         m = Manifest(step=step, generation=generation, world_size=self.world_size, layout=layout, files=files,
-                     config=config)  # fmt: skip
+                     config=self.config)  # fmt: skip
         self.store.put_bytes(f"{step_dir(step)}/{MANIFEST_NAME}", m.to_json().encode())
 
     def _save_staged(
-        self,
-        staged: dict[str, Any],
-        step: int,
-        generation: int,
-        layout: dict[str, Any],
-        blocking: float,
-        config: dict[str, Any] | None = None,
+        self, staged: dict[str, Any], step: int, generation: int, layout: dict[str, Any], blocking: float
     ) -> SaveResult:
         t0 = time.perf_counter()
         res = SaveResult(step, generation, ok=False, uri=f"{self.store.root_uri.rstrip('/')}/{step_dir(step)}",
                          blocking_s=blocking)  # fmt: skip
         writer = ObjectStoreWriter(
-            self.store,
-            step_dir(step),
-            on_commit=lambda files: self._commit(step, generation, layout, files, config),
+            self.store, step_dir(step), on_commit=lambda files: self._commit(step, generation, layout, files)
         )
         try:
             if self.rank == 0:

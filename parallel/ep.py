@@ -12,9 +12,9 @@ FSDP degree F (so FSDP's average over F ranks becomes a sum); an expert's gradie
 the tokens of its ep group, and its FSDP group has only F/ep ranks, so its reduction divides
 by F instead of by its own size.
 
-For tensor parallelism, `moe_tp_plan` gives the plan entry that runs a MoE layer replicated
-over the tp ranks (tokens gathered on entry, re-sharded on exit) while the dense parts are split
-as usual; `parallel.tp.apply_tp` does not use it yet and refuses MoE layers.
+With tensor parallelism the dense parts are split as usual and each MoE layer runs replicated
+over the tp ranks: `parallel.tp.apply_tp` applies `moe_tp_plan` (tokens gathered on entry,
+re-sharded on exit).
 """
 
 from __future__ import annotations

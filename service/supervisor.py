@@ -45,7 +45,6 @@ _POLL_S = 0.05
 _LINGER_S = 600.0  # without a store, stay readable this long after the end (or until shutdown())
 _START_GRACE_S = 2.0
 _HEARTBEAT_GAUGE_S = 1.0  # how often heartbeat ages are exported
-_KEEPER_GAUGE_S = 5.0  # how often the keepers' memory is asked for and exported
 
 
 def _echo_events_to_actor_log() -> None:
@@ -173,8 +172,7 @@ class Supervisor:
         self._pausing: int | None = None
         self._metrics_log: Any = None
         self._tb: Any = None  # workers.tensorboard.TensorBoardLog when the spec asks for it
-        self._gauges_at = {"heartbeat": 0.0, "keepers": 0.0}
-        self._keeper_polls: dict[str, Any] = {}  # node -> ObjectRef of a memory_report in flight
+        self._heartbeats_exported_at = 0.0
         self._last_row: dict[str, Any] | None = None
         self.keepers: dict[str, Any] = {}
         self._acks: dict[tuple[int, int], dict[str, Any]] = {}  # (generation, step) -> rank -> ok
@@ -684,8 +682,7 @@ class Supervisor:
         while True:
             if self._cancel.is_set():
                 return "cancelled"
-            self._flush_metrics()
-            self._commit_snapshots()
+            self._commit_snapshots()  # flushes the metrics rows first
             self._advance()
             slots = self._active_slots()
             pending = [s for s in slots if s.result is None]
@@ -713,41 +710,21 @@ class Supervisor:
                 if seen is not None and now - seen > hb_timeout:
                     return Failure("hang", [s], f"{s.name} (rank {s.rank}) sent no heartbeat for "
                                    f"{now - seen:.1f}s (heartbeat_timeout_s={hb_timeout:g})", now, t_fault=seen)
-            self._export_gauges(slots, hbs, now)
+            self._export_heartbeat_ages(slots, hbs, now)
             f = self._check_stragglers(slots)
             if f is not None:
                 return f
             self._maybe_grow(slots)
 
-    def _export_gauges(self, slots: list[Slot], hbs: dict[str, tuple[float, dict[str, Any]]], now: float) -> None:
-        """Heartbeat age per rank (every second) and the keepers' memory (every few seconds)."""
-        if now - self._gauges_at["heartbeat"] >= _HEARTBEAT_GAUGE_S:
-            self._gauges_at["heartbeat"] = now
-            for s in slots:
-                seen = hbs.get(s.name, (None, None))[0]
-                if seen is not None and s.rank >= 0:
-                    telemetry.record_heartbeat_age(self.job_id, s.rank, max(0.0, now - seen))
-        if self.keepers and now - self._gauges_at["keepers"] >= _KEEPER_GAUGE_S:
-            self._gauges_at["keepers"] = now
-            self._poll_keeper_memory()
-
-    def _poll_keeper_memory(self) -> None:
-        """Export the answers of the last poll, ask again; never waits (a lost keeper must not stall the
-        watch loop, which is what notices it)."""
-        pending = self._keeper_polls
-        for node in [n for n in pending if n not in self.keepers]:
-            pending.pop(node)  # its keeper was dropped with its node
-        if pending:
-            ready, _ = ray.wait(list(pending.values()), num_returns=len(pending), timeout=0)
-            for node, ref in list(pending.items()):
-                if ref in ready:
-                    pending.pop(node)
-                    with contextlib.suppress(Exception):
-                        telemetry.record_keeper_memory(node, int(ray.get(ref)["used_bytes"]))
-        for node, handle in self.keepers.items():
-            if node not in pending:
-                with contextlib.suppress(Exception):
-                    pending[node] = handle.memory_report.remote()
+    def _export_heartbeat_ages(self, slots: list[Slot], hbs: dict[str, tuple[float, dict[str, Any]]],
+                               now: float) -> None:  # fmt: skip
+        if now - self._heartbeats_exported_at < _HEARTBEAT_GAUGE_S:
+            return
+        self._heartbeats_exported_at = now
+        for s in slots:
+            seen = hbs.get(s.name, (None, None))[0]
+            if seen is not None and s.rank >= 0:
+                telemetry.record_heartbeat_age(self.job_id, s.rank, max(0.0, now - seen))
 
     def _collect(self, s: Slot) -> Failure | None:
         """Read a finished run call; a failure when it did not end well."""
@@ -1020,11 +997,6 @@ class Supervisor:
                 from checkpointing.keeper import drop_job
 
                 freed = drop_job(self.keepers, self.job_id)
-            with contextlib.suppress(Exception):  # so the gauge shows the memory given back
-                from checkpointing.keeper import memory_reports
-
-                for node, rep in memory_reports(self.keepers, timeout_s=5.0).items():
-                    telemetry.record_keeper_memory(node, int(rep["used_bytes"]))
         self._event("released", f"workers, placement groups and {freed} bytes of keeper memory released",
                     keeper_bytes=freed)
 

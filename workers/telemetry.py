@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ParamSpec, Protocol
 
+from checkpointing.keeper import MEMORY_METRIC, MEMORY_METRIC_HELP
+
 log = logging.getLogger("unbroken.telemetry")
 _P = ParamSpec("_P")
 
@@ -49,6 +51,7 @@ class MetricDef:
     kind: str  # "gauge", "counter" or "histogram"
     description: str
     tag_keys: tuple[str, ...]
+    recorded_by: str = __name__  # the module whose process sets it (the others only list it)
 
     @property
     def exported(self) -> list[str]:
@@ -74,7 +77,7 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("unbroken_recoveries_total", "counter", "recoveries of a job, by cause", ("job_id", "cause")),
     MetricDef("unbroken_dp_degree", "gauge", "data-parallel degree of the job now", ("job_id",)),
     MetricDef("unbroken_generation", "gauge", "generation of the job's worker group", ("job_id",)),
-    MetricDef("unbroken_keeper_memory_bytes", "gauge", "snapshot bytes held by a node's keeper", ("node",)),
+    MetricDef(MEMORY_METRIC, "gauge", MEMORY_METRIC_HELP, ("node",), recorded_by="checkpointing.keeper"),
 )
 
 BY_NAME: dict[str, MetricDef] = {m.name: m for m in METRICS}
@@ -123,7 +126,7 @@ def _get() -> dict[str, Any] | None:
     with _lock:
         if _metrics is None:
             made: dict[str, Any] = {}
-            for m in METRICS:
+            for m in (m for m in METRICS if m.recorded_by == __name__):
                 if m.kind == "gauge":
                     made[m.name] = Gauge(m.name, description=m.description, tag_keys=m.tag_keys)
                 elif m.kind == "counter":
@@ -161,8 +164,9 @@ def _tags(job_id: str, rank: int | None = None) -> dict[str, str]:
 
 
 @_never_raises
-def record_step(job_id: str, rank: int, m: StepLike, dp: int, generation: int) -> None:
-    """One completed step of one rank: step time, tokens/s, MFU (when known), loss, dp, generation."""
+def record_step(job_id: str, rank: int, m: StepLike) -> None:
+    """One completed step of one rank: step time, tokens/s, MFU (when known), loss. The job's dp and
+    generation are the supervisor's to set (record_group), once per formation, not every rank every step."""
     ms = _get()
     if ms is None:
         return
@@ -173,9 +177,6 @@ def record_step(job_id: str, rank: int, m: StepLike, dp: int, generation: int) -
         ms["unbroken_mfu"].set(float(m.mfu), tags=tags)
     ms["unbroken_loss"].set(float(m.loss), tags=tags)
     ms["unbroken_step"].set(float(m.step), tags=tags)
-    job = _tags(job_id)
-    ms["unbroken_dp_degree"].set(float(dp), tags=job)
-    ms["unbroken_generation"].set(float(generation), tags=job)
 
 
 @_never_raises
@@ -212,7 +213,7 @@ def record_recovery(job_id: str, cause: str) -> None:
 
 @_never_raises
 def record_group(job_id: str, dp: int, generation: int) -> None:
-    """The worker group's shape after a (re)formation, before the first step reports it."""
+    """The worker group's shape at each (re)formation: the one place dp degree and generation are set."""
     ms = _get()
     if ms is None:
         return
@@ -228,12 +229,3 @@ def record_heartbeat_age(job_id: str, rank: int, age_s: float) -> None:
     if ms is None:
         return
     ms["unbroken_heartbeat_age_s"].set(float(age_s), tags=_tags(job_id, rank))
-
-
-@_never_raises
-def record_keeper_memory(node: str, nbytes: int) -> None:
-    """Snapshot bytes a keeper holds now; `node` is the keeper's node name."""
-    ms = _get()
-    if ms is None:
-        return
-    ms["unbroken_keeper_memory_bytes"].set(float(nbytes), tags={"node": str(node)})

@@ -185,7 +185,7 @@ class Worker:
             cfg = engine_for_dp(self.cfg, dp)
             trainer = Trainer(cfg, device=device)
             timings["build_s"] = time.perf_counter() - t0
-            tiers = _Tiers(self, rank, world_size, timeout_s, keepers, trainer.optimizer)
+            tiers = _Tiers(self, rank, world_size, timeout_s, keepers, trainer)
             restored: dict[str, Any] = {"step": 0, "source": "fresh"}
             if restore is not None:
                 t0 = time.perf_counter()
@@ -241,7 +241,7 @@ class Worker:
             m = trainer.train_step()
             self.step = trainer.step
             self.max_step_time_s = max(self.max_step_time_s or 0.0, m.step_time_s)
-            telemetry.record_step(self.opts.job_id, rank, m, dp=trainer.dims.dp, generation=generation)
+            telemetry.record_step(self.opts.job_id, rank, m)
             snap = tiers.after_step(trainer, generation)
             self._last = {"gap_s": entered - t_prev, "step_time_s": m.step_time_s, "loss": m.loss}
             extra: dict[str, Any] = {"snapshot": snap}
@@ -313,7 +313,7 @@ class _Tiers:
     """The in-memory snapshot tier (keepers) and the persistent tier of one rank in one generation."""
 
     def __init__(self, worker: Worker, rank: int, world_size: int, timeout_s: float,
-                 keepers: dict[str, Any] | None, optimizer: Any) -> None:  # fmt: skip
+                 keepers: dict[str, Any] | None, trainer: Any) -> None:  # fmt: skip
         from checkpointing.persistent import CheckpointManager
 
         self.w = worker
@@ -326,7 +326,8 @@ class _Tiers:
         root = cc.uri or (out / "checkpoints").resolve().as_uri()
         # Always there: it writes every persist_every steps and is the fallback of a restore.
         self.persistent: Any = CheckpointManager(cc, root, rank=rank, world_size=world_size,
-                                                 process_group=_side_group(timeout_s))
+                                                 process_group=_side_group(timeout_s),
+                                                 config=trainer.cfg.model_dump(mode="json"))  # export-hf needs it
         self.snap: Any = None
         if self.snap_every:
             from checkpointing.snapshot import SnapshotClient
@@ -344,8 +345,7 @@ class _Tiers:
             out = {"step": step, "blocking_s": handle.blocking_s}
         if self.persist_every and step % self.persist_every == 0:
             layout = {"dp": trainer.dims.dp, "world_size": self.world}
-            handle = self.persistent.save_async(trainer.state_dict(), step, generation, layout,
-                                                config=trainer.cfg.model_dump(mode="json"))  # export-hf needs it
+            handle = self.persistent.save_async(trainer.state_dict(), step, generation, layout)
             handle.add_done_callback(self._persisted)
         return out
 

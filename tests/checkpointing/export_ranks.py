@@ -1,7 +1,7 @@
 """Rank bodies for test_export_checkpoint (run by tests.parallel.harness in real gloo groups).
 
 Each layout trains the tiny model and writes persistent checkpoints at steps 2 and 3, the way a
-worker does (`save_async(trainer.state_dict(), ..., config=trainer.cfg.model_dump(mode="json"))`);
+worker does (a CheckpointManager given `config=trainer.cfg.model_dump(mode="json")`, then `save_async`);
 rank 0 returns `Trainer.full_state_dict()` at each saved step: what export must reproduce.
 """
 
@@ -37,14 +37,14 @@ def save_layouts(ctx: Any, payload: dict[str, Any]) -> dict[str, dict[int, dict[
             trainer = Trainer(cfg, device=torch.device("cpu"))
             s3 = S3Config(**lay["s3"]) if lay.get("s3") else S3Config()
             mgr = CheckpointManager(CheckpointConfig(uri=lay["uri"], s3=s3, keep_last=5), "unused",
-                                    rank=ctx.rank, world_size=lay["world"])  # fmt: skip
+                                    rank=ctx.rank, world_size=lay["world"],
+                                    config=trainer.cfg.model_dump(mode="json"))  # fmt: skip
             fulls: dict[int, dict[str, torch.Tensor]] = {}
             for step in SAVED_STEPS:
                 while trainer.step < step:
                     trainer.train_step()
                 res = mgr.save_async(
-                    trainer.state_dict(), trainer.step, 0, {"dp": trainer.dims.dp, "world_size": lay["world"]},
-                    config=trainer.cfg.model_dump(mode="json"),
+                    trainer.state_dict(), trainer.step, 0, {"dp": trainer.dims.dp, "world_size": lay["world"]}
                 ).result()
                 assert res.ok, res.error
                 fulls[step] = trainer.full_state_dict()  # a collective: every rank takes part

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import httpx
+import numpy as np
 import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
@@ -37,19 +38,21 @@ class Reporter:
     """Stands where a worker and a supervisor stand: records through workers.telemetry."""
 
     def report(self) -> bool:
+        from checkpointing.keeper import Keeper
         from workers import telemetry as t
 
-        t.record_step(JOB, 0, Step(step=7, loss=2.5, step_time_s=0.1, tokens_per_s=1234.0, mfu=0.42), dp=3,
-                      generation=4)
-        t.record_step(JOB, 1, Step(step=7, loss=2.5, step_time_s=0.2, tokens_per_s=1234.0, mfu=None), dp=3,
-                      generation=4)
+        t.record_step(JOB, 0, Step(step=7, loss=2.5, step_time_s=0.1, tokens_per_s=1234.0, mfu=0.42))
+        t.record_step(JOB, 1, Step(step=7, loss=2.5, step_time_s=0.2, tokens_per_s=1234.0, mfu=None))
+        t.record_group(JOB, dp=3, generation=4)
         t.record_snapshot(JOB, 0, 0.05, 1_000_000)
         t.record_checkpoint(JOB, 0, 3.0, 5_000_000)
         t.record_recovery(JOB, "node_lost")
         t.record_recovery(JOB, "node_lost")
         t.record_recovery(JOB, "actor_died")
         t.record_heartbeat_age(JOB, 1, 0.75)
-        t.record_keeper_memory("teltestnode", 123_456)
+        # A keeper exports its own memory: one held here, in this process, holding 123,456 bytes.
+        keeper = Keeper("teltestnode", memory_limit_mb=1)
+        keeper.put_shard("teltest", 0, 1, 0, 1, b"", b"", np.zeros(123_456, dtype=np.uint8))
         return True
 
 
@@ -83,7 +86,8 @@ def _key(name: str, **labels: str) -> tuple[str, frozenset[tuple[str, str]]]:
 def test_without_ray_record_functions_do_nothing() -> None:
     if ray.is_initialized():
         pytest.skip("this process is connected to Ray already")
-    telemetry.record_step(JOB, 0, Step(1, 1.0, 0.1, 1.0, None), dp=1, generation=0)
+    telemetry.record_step(JOB, 0, Step(1, 1.0, 0.1, 1.0, None))
+    telemetry.record_group(JOB, dp=1, generation=0)
     telemetry.record_recovery(JOB, "x")
     assert telemetry._metrics is None  # nothing was created: the local launcher pays nothing
 

@@ -3,7 +3,11 @@
     from unbroken import Client
     c = Client()                      # the local server's URL and token from ~/.unbroken/token
     job = c.submit("job.yaml")
-    c.wait(job.id, progress_callback=lambda j: print(j.progress.step))
+    c.wait(job.id, progress_callback=print)  # one line per change: step, loss, tokens/s, dp, ...
+
+`wait()` raises JobFailed when the job ends FAILED and JobCancelled when it ends CANCELLED (as
+concurrent.futures does), unless raise_on_failure=False; then it returns the final job whatever
+its status.
 
 Imports neither torch nor ray (nor the server): only httpx, pydantic and the API's models.
 """
@@ -14,6 +18,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +28,47 @@ from api import errors, schemas
 from api.schemas import Checkpoint, Job, JobEvent, JobList, LogList
 
 DEFAULT_URL = "http://127.0.0.1:8420"
+
+
+@dataclass(frozen=True)
+class JobProgress:
+    """What `Client.wait` hands its progress_callback: a job's status and newest step, no spec.
+    Fields unknown yet (before the first step) are None; str() is one readable line."""
+
+    job_id: str
+    status: str
+    step: int | None = None
+    total_steps: int | None = None
+    loss: float | None = None
+    tokens_per_s: float | None = None
+    dp: int | None = None
+    generation: int | None = None
+    recoveries: int = 0
+    reason: str | None = None
+
+    @classmethod
+    def of(cls, job: Job) -> JobProgress:
+        p = job.progress
+        return cls(job_id=job.id, status=job.status, step=p.step, total_steps=p.total_steps, loss=p.loss,
+                   tokens_per_s=p.tokens_per_s, dp=p.dp, generation=p.generation, recoveries=p.recoveries,
+                   reason=job.reason)
+
+    def __str__(self) -> str:
+        parts = [f"job {self.job_id} {self.status}"]
+        if self.step is not None or self.total_steps is not None:
+            parts.append(f"step {self.step or 0}" + (f"/{self.total_steps}" if self.total_steps is not None else ""))
+        if self.loss is not None:
+            parts.append(f"loss {self.loss:.4f}")
+        if self.tokens_per_s is not None:
+            parts.append(f"{self.tokens_per_s:,.0f} tokens/s")
+        if self.dp is not None:
+            parts.append(f"dp {self.dp}")
+        if self.generation is not None:
+            parts.append(f"generation {self.generation}")
+        if self.recoveries:
+            parts.append(f"{self.recoveries} {'recovery' if self.recoveries == 1 else 'recoveries'}")
+        line = ", ".join(parts)
+        return f"{line}: {self.reason}" if self.reason and self.status in ("FAILED", "CANCELLED") else line
 
 
 def _reveal(x: Any) -> Any:
@@ -152,17 +198,32 @@ class Client:
         self,
         job_id: str,
         timeout: float | None = None,
-        progress_callback: Callable[[Job], None] | None = None,
+        progress_callback: Callable[[JobProgress], None] | None = None,
         *,
         poll_s: float = 1.0,
+        raise_on_failure: bool = True,
     ) -> Job:
-        """Poll until the job finishes (SUCCEEDED, FAILED or CANCELLED); TimeoutError after `timeout` s."""
+        """Poll until the job finishes and return it when it SUCCEEDED.
+
+        progress_callback gets a JobProgress each time it changes (the last one is the final
+        status). A FAILED job raises JobFailed, a CANCELLED one JobCancelled; with
+        raise_on_failure=False the final job is returned whatever its status. TimeoutError
+        after `timeout` s.
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
+        last: JobProgress | None = None
         while True:
             job = self.get(job_id)
             if progress_callback is not None:
-                progress_callback(job)
+                now = JobProgress.of(job)
+                if now != last:
+                    progress_callback(now)
+                    last = now
             if job.terminal:
+                if raise_on_failure and job.status == "FAILED":
+                    raise errors.JobFailed(job)
+                if raise_on_failure and job.status == "CANCELLED":
+                    raise errors.JobCancelled(job)
                 return job
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"job {job_id} is still {job.status} after {timeout} s")
@@ -220,8 +281,22 @@ class Client:
         )
 
     def metrics(self, job_id: str, *, after_step: int = -1) -> list[dict[str, Any]]:
-        body = self._request("GET", f"/v1/jobs/{job_id}/metrics", params={"after_step": after_step}).json()
-        return list(body["items"])
+        """One dict a step (step, loss, tokens, dp, ...), oldest first, every page of them; []
+        before the first step."""
+        page_size = 10000
+        out: list[dict[str, Any]] = []
+        while True:
+            params = {"after_step": after_step, "limit": page_size}
+            page = list(self._request("GET", f"/v1/jobs/{job_id}/metrics", params=params).json()["items"])
+            if len(page) < page_size:
+                return out + page
+            # A full page may end inside a step's rows: keep the whole steps, ask again from the last one.
+            last = page[-1]["step"]
+            whole = [r for r in page if r["step"] != last]
+            if not whole:
+                return out + page
+            out += whole
+            after_step = last - 1
 
     def checkpoints(self, job_id: str) -> list[Checkpoint]:
         body = self._request("GET", f"/v1/jobs/{job_id}/checkpoints").json()
@@ -231,4 +306,4 @@ class Client:
         return dict(self._request("GET", "/readyz").json())
 
 
-__all__ = ["Client", "Job", "JobEvent", "JobList", "LogList", "Checkpoint", "schemas", "resolve_connection"]
+__all__ = ["Client", "Job", "JobProgress", "JobEvent", "JobList", "LogList", "Checkpoint", "schemas", "resolve_connection"]

@@ -6,7 +6,10 @@ The server answers every refusal with {"error": code, "message": text, "fields":
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from api.schemas import Job
 
 
 class UnbrokenError(Exception):
@@ -94,6 +97,29 @@ def error_from_response(status: int, body: Any, text: str = "") -> UnbrokenError
                 fields[key] = f"{fields[key]}; {msg}" if key in fields else msg
         return ValidationFailed(message, fields, status=status, body=data)
     return ServerError(message, status=status, body=data)
+
+
+class JobFailed(UnbrokenError):
+    """Client.wait(): the job ended FAILED. `.job` is the final job, `.reason` the server's reason."""
+
+    code = "job_failed"
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.reason: str | None = job.reason
+        super().__init__(f"job {job.id} ({job.name}) FAILED: {job.reason or 'no reason recorded'}")
+
+
+class JobCancelled(UnbrokenError):
+    """Client.wait(): the job ended CANCELLED (as concurrent.futures raises CancelledError). Not a
+    JobFailed: nothing went wrong, someone asked. `.job` is the final job, `.reason` why."""
+
+    code = "job_cancelled"
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.reason: str | None = job.reason
+        super().__init__(f"job {job.id} ({job.name}) was CANCELLED" + (f": {job.reason}" if job.reason else ""))
 
 
 class ServerUnavailable(UnbrokenError):

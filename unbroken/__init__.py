@@ -8,10 +8,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from api.client import Client
+    from api.client import Client, JobProgress
     from api.errors import (
         Conflict,
         Forbidden,
+        JobCancelled,
+        JobFailed,
         JobNotFound,
         ServerError,
         ServerUnavailable,
@@ -24,6 +26,9 @@ if TYPE_CHECKING:
 
 _WHERE = {
     "Client": "api.client",
+    "JobProgress": "api.client",
+    "JobFailed": "api.errors",
+    "JobCancelled": "api.errors",
     "Job": "api.schemas",
     "JobSpec": "service.spec",
     "SpecError": "service.spec",
@@ -42,7 +47,10 @@ __all__ = [
     "Conflict",
     "Forbidden",
     "Job",
+    "JobCancelled",
+    "JobFailed",
     "JobNotFound",
+    "JobProgress",
     "JobSpec",
     "ServerError",
     "ServerUnavailable",

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 if TYPE_CHECKING:
-    from api.client import Client
+    from api.client import Client, JobProgress
 
 URL = typer.Option(None, "--url", envvar="UNBROKEN_URL", help="API URL (default: from ~/.unbroken/token)")
 TOKEN = typer.Option(None, "--token", envvar="UNBROKEN_TOKEN", help="bearer token (default: from the token file)")
@@ -66,14 +66,13 @@ def _watch(c: Client, job_id: str) -> Any:
     with Progress(*columns, console=console, transient=False) as bar:
         task = bar.add_task(job_id, total=None, info="PENDING")
 
-        def update(job: Any) -> None:
-            p = job.progress
+        def update(p: JobProgress) -> None:
             step = f"{p.step or 0}/{p.total_steps}" if p.total_steps else str(p.step or 0)
-            info = (f"{job.status} {step} loss {_fmt(p.loss, '.4f')} tok/s {_fmt(p.tokens_per_s, ',.0f')} "
+            info = (f"{p.status} {step} loss {_fmt(p.loss, '.4f')} tok/s {_fmt(p.tokens_per_s, ',.0f')} "
                     f"dp {_fmt(p.dp)} rec {p.recoveries}")
             bar.update(task, total=p.total_steps, completed=p.step or 0, info=info)
 
-        return c.wait(job_id, progress_callback=update, poll_s=1.0)
+        return c.wait(job_id, progress_callback=update, poll_s=1.0, raise_on_failure=False)
 
 
 def submit(

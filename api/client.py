@@ -20,14 +20,15 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
 from api import errors, schemas
-from api.schemas import Checkpoint, Job, JobEvent, JobList, LogList
+from api.schemas import Checkpoint, Job, JobEvent, JobList, LogLine, LogList
 
 DEFAULT_URL = "http://127.0.0.1:8420"
+M = TypeVar("M", JobEvent, LogLine)
 
 
 @dataclass(frozen=True)
@@ -241,10 +242,30 @@ class Client:
             body = self._request("GET", f"/v1/jobs/{job_id}/events", params={"after": after}).json()
             yield from (JobEvent.model_validate(e) for e in body["items"])
             return
+        yield from self._follow(f"/v1/jobs/{job_id}/events", job_id, after, JobEvent)
+
+    def logs(self, job_id: str, follow: bool = False, *, after: int = 0) -> Iterator[LogLine]:
+        """The job's stored log lines, oldest first (each with its source, e.g. "rank 0"); with
+        follow=True, keep streaming new ones (SSE) until the job finishes."""
+        if follow:
+            yield from self._follow(f"/v1/jobs/{job_id}/logs", job_id, after, LogLine)
+            return
+        while True:
+            page = LogList.model_validate(
+                self._request("GET", f"/v1/jobs/{job_id}/logs", params={"after": after, "limit": 1000}).json()
+            )
+            yield from page.items
+            if len(page.items) < 1000:
+                return
+            after = page.next_after
+
+    def _follow(self, path: str, job_id: str, after: int, model: type[M]) -> Iterator[M]:
+        """Items of an SSE stream (`data:` JSON with an `id`) until its `end` event; a broken stream
+        is resumed after the last id seen."""
         last = after
         while True:
             try:
-                with self._http.stream("GET", f"/v1/jobs/{job_id}/events", params={"follow": "true", "after": last},
+                with self._http.stream("GET", path, params={"follow": "true", "after": last},
                                        timeout=httpx.Timeout(self._http.timeout.connect, read=None)) as r:
                     if r.status_code >= 400:
                         r.read()
@@ -263,22 +284,17 @@ class Client:
                             if kind == "end":
                                 return
                             if data:
-                                ev = JobEvent.model_validate_json(data)
-                                last = ev.id
-                                yield ev
+                                item = model.model_validate_json(data)
+                                last = item.id  # type: ignore[attr-defined]
+                                yield item
                             kind, data = "message", ""
             except httpx.TransportError as e:
-                # The stream broke (server restart, proxy timeout): resume after the last event seen.
+                # The stream broke (server restart, proxy timeout): resume after the last item seen.
                 try:
                     self.get(job_id)
                 except errors.ServerUnavailable:
-                    raise errors.ServerUnavailable(f"lost the event stream of job {job_id}: {e}") from e
+                    raise errors.ServerUnavailable(f"lost the stream {path}: {e}") from e
                 time.sleep(0.5)
-
-    def logs(self, job_id: str, *, after: int = 0, limit: int = 1000) -> LogList:
-        return LogList.model_validate(
-            self._request("GET", f"/v1/jobs/{job_id}/logs", params={"after": after, "limit": limit}).json()
-        )
 
     def metrics(self, job_id: str, *, after_step: int = -1) -> list[dict[str, Any]]:
         """One dict a step (step, loss, tokens, dp, ...), oldest first, every page of them; []
@@ -306,4 +322,4 @@ class Client:
         return dict(self._request("GET", "/readyz").json())
 
 
-__all__ = ["Client", "Job", "JobProgress", "JobEvent", "JobList", "LogList", "Checkpoint", "schemas", "resolve_connection"]
+__all__ = ["Client", "Job", "JobProgress", "JobEvent", "JobList", "LogLine", "LogList", "Checkpoint", "schemas", "resolve_connection"]

@@ -70,6 +70,7 @@ class MetricsList(BaseModel):
 class LogLine(BaseModel):
     id: int
     ts: float
+    source: str | None = Field(None, description='where it came from: "rank 0", "supervisor", ...')
     line: str
 
 

@@ -84,6 +84,7 @@ class LogLine(Base):
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     job_id: Mapped[str] = mapped_column(String(32), nullable=False)
     ts: Mapped[float] = mapped_column(Float, nullable=False)
+    source: Mapped[str | None] = mapped_column(String(64))  # "rank 3", "supervisor", ...; None: unnamed
     line: Mapped[str] = mapped_column(Text, nullable=False)
 
     __table_args__ = (Index("ix_logs_job_id_id", "job_id", "id"),)

@@ -5,7 +5,7 @@ The schema is created and upgraded by Alembic when a store opens (service/migrat
 
 Two kinds of caller: the API (create, read, list, delete, cancel) and each job's supervisor,
 which reports from inside a Ray actor through add_event / set_status / add_metrics /
-add_checkpoint / add_log. Terminal statuses are final: a late write never moves a finished job.
+add_checkpoint / add_logs. Terminal statuses are final: a late write never moves a finished job.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import hashlib
 import json
 import logging
 import math
+import re
 import threading
 import time
 import uuid
@@ -38,6 +39,11 @@ STATUSES: tuple[str, ...] = (PENDING, RUNNING, RECOVERING, SUCCEEDED, FAILED, CA
 TERMINAL: frozenset[str] = frozenset({SUCCEEDED, FAILED, CANCELLED})
 ACTIVE: frozenset[str] = frozenset({RUNNING, RECOVERING})
 MIGRATIONS_DIR = Path(__file__).with_name("migrations")
+# Logs are bounded per job: MAX_LOG_LINES lines (the oldest dropped first) of MAX_LOG_LINE_CHARS each.
+MAX_LOG_LINES = 50_000
+MAX_LOG_LINE_CHARS = 8192
+LOG_MARKER_SOURCE = "unbroken"
+_MARKER_COUNT = re.compile(r"^(\d+) older log lines dropped")
 
 
 class StoreError(Exception):
@@ -98,6 +104,14 @@ class LogRecord:
     id: int
     ts: float
     line: str
+    source: str | None = None
+
+
+def _cut_line(line: str) -> str:
+    line = line.rstrip("\n")
+    if len(line) <= MAX_LOG_LINE_CHARS:
+        return line
+    return f"{line[:MAX_LOG_LINE_CHARS]}... ({len(line) - MAX_LOG_LINE_CHARS} more characters cut)"
 
 
 @dataclass(frozen=True)
@@ -236,8 +250,11 @@ def _job_record(row: Any) -> JobRecord:
 class JobStore:
     """All reads and writes of job state. Safe to share between threads; one per process."""
 
-    def __init__(self, url: str, *, run_migrations: bool = True) -> None:
+    def __init__(self, url: str, *, run_migrations: bool = True, max_log_lines: int = MAX_LOG_LINES) -> None:
+        if max_log_lines < 2:
+            raise ValueError(f"max_log_lines={max_log_lines} must be at least 2 (a line and the marker)")
         self.url = url
+        self.max_log_lines = max_log_lines
         self.engine = make_engine(url)
         if run_migrations:
             migrate(self.engine)
@@ -321,14 +338,45 @@ class JobStore:
                 data=_json_safe(data) if data else None,
             ))
 
-    def add_log(self, job_id: str, lines: list[str]) -> None:
+    def add_log(self, job_id: str, lines: list[str], source: str | None = None) -> None:
+        """Lines from one source, stamped now (see add_logs)."""
+        now = time.time()
+        self.add_logs(job_id, [(now, source, x) for x in lines])
+
+    def add_logs(self, job_id: str, lines: Sequence[tuple[float, str | None, str]]) -> None:
+        """Append (ts, source, line) rows in their order. A line longer than MAX_LOG_LINE_CHARS is cut;
+        beyond `max_log_lines` a job keeps its newest lines and one marker line, first, saying how
+        many older ones were dropped. Lines for an unknown job are dropped."""
         if not lines:
             return
-        now = time.time()
+        rows = [{"job_id": job_id, "ts": float(ts), "source": None if src is None else str(src)[:64],
+                 "line": _cut_line(str(line))} for ts, src, line in lines]
         with self.engine.begin() as conn:
-            if not self._job_exists(conn, job_id):
+            # Locks the job's row on PostgreSQL, so one writer at a time trims its logs.
+            if conn.execute(select(Job.seq).where(Job.id == job_id).with_for_update()).first() is None:
                 return
-            conn.execute(insert(LogLine), [{"job_id": job_id, "ts": now, "line": str(x)} for x in lines])
+            conn.execute(insert(LogLine), rows)
+            self._trim_logs(conn, job_id)
+
+    def _trim_logs(self, conn: Any, job_id: str) -> None:
+        keep = self.max_log_lines - 1  # and the marker
+        cut = conn.execute(select(LogLine.id, LogLine.ts).where(LogLine.job_id == job_id)
+                           .order_by(LogLine.id.desc()).offset(keep).limit(1)).first()
+        if cut is None:
+            return
+        old = LogLine.job_id == job_id, LogLine.id <= cut.id
+        dropped = conn.execute(select(func.count()).select_from(LogLine)
+                               .where(*old, or_(LogLine.source.is_(None), LogLine.source != LOG_MARKER_SOURCE))
+                               ).scalar_one()
+        for (text,) in conn.execute(select(LogLine.line).where(*old, LogLine.source == LOG_MARKER_SOURCE)):
+            m = _MARKER_COUNT.match(text)
+            dropped += int(m.group(1)) if m else 0
+        conn.execute(delete(LogLine).where(*old))
+        # The marker takes the newest dropped line's id, so it reads first and a follower behind it sees it.
+        conn.execute(insert(LogLine).values(
+            id=cut.id, job_id=job_id, ts=cut.ts, source=LOG_MARKER_SOURCE,
+            line=f"{dropped} older log lines dropped: a job keeps its newest {self.max_log_lines} lines",
+        ))
 
     # ---- the API's side --------------------------------------------------------------------
 
@@ -488,7 +536,7 @@ class JobStore:
                 select(LogLine.__table__).where(LogLine.job_id == job_id, LogLine.id > after_id).order_by(LogLine.id)
                 .limit(limit)
             ).all()
-        return [LogRecord(r.id, r.ts, r.line) for r in rows]
+        return [LogRecord(r.id, r.ts, r.line, r.source) for r in rows]
 
     def checkpoints(self, job_id: str) -> list[CheckpointRecord]:
         with self.engine.connect() as conn:

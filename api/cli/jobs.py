@@ -8,7 +8,6 @@ rich are imported inside the commands so `unbroken --help` stays fast.
 from __future__ import annotations
 
 import sys
-import time
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -184,20 +183,16 @@ def logs(
     url: str = URL,
     token: str = TOKEN,
 ) -> None:
-    """A job's log lines."""
+    """A job's log lines (its workers' and supervisor's output), each prefixed with its source."""
+    from api.errors import UnbrokenError
+
     with _client(url, token) as c:
-        after = 0
-        while True:
-            page = _run(lambda a=after: c.logs(job_id, after=a))
-            for line in page.items:
-                sys.stdout.write(line.line.rstrip("\n") + "\n")
-            sys.stdout.flush()
-            after = page.next_after
-            if len(page.items) == 1000:
-                continue  # more lines are waiting
-            if not follow or _run(lambda: c.get(job_id)).terminal and not page.items:
-                return
-            time.sleep(1.0)
+        try:
+            for x in c.logs(job_id, follow=follow):
+                sys.stdout.write((f"[{x.source}] " if x.source else "") + x.line + "\n")
+                sys.stdout.flush()
+        except UnbrokenError as e:
+            raise _fail(e) from None
 
 
 def cancel(job_id: str = typer.Argument(...), url: str = URL, token: str = TOKEN) -> None:

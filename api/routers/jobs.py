@@ -328,18 +328,70 @@ def job_metrics(
     return schemas.MetricsList(items=state.store.metrics(job_id, after_step, limit))
 
 
-@router.get("/jobs/{job_id}/logs", response_model=schemas.LogList, responses=ERRORS, summary="A job's log lines")
-def job_logs(
+LOG_LINGER_S = 2.0  # a followed log ends this long after its job did
+
+
+def _log_line(x: Any) -> schemas.LogLine:
+    return schemas.LogLine(id=x.id, ts=x.ts, source=x.source, line=x.line)
+
+
+@router.get(
+    "/jobs/{job_id}/logs", response_model=schemas.LogList,
+    responses={**ERRORS, 200: {"content": {"text/event-stream": {}},
+                               "description": "JSON list, or with ?follow=true Server-Sent Events"}},
+    summary="A job's log lines; ?follow=true streams new ones (SSE) until the job finishes",
+)
+async def job_logs(
+    request: Request,
     job_id: str,
     principal: Principal = Depends(current_principal),
     state: AppState = Depends(get_state),
-    after: Annotated[int, Query(ge=0, le=2**62)] = 0,
+    after: Annotated[int, Query(ge=0, le=2**62, description="only lines with a larger id")] = 0,
     limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
-) -> schemas.LogList:
-    visible_job(job_id, principal, state)
-    lines = state.store.logs(job_id, after, limit)
-    return schemas.LogList(items=[schemas.LogLine(id=x.id, ts=x.ts, line=x.line) for x in lines],
-                           next_after=lines[-1].id if lines else after)
+    follow: bool = False,
+    poll_s: Annotated[float, Query(ge=0.05, le=10.0)] = 0.25,
+) -> Any:
+    await run_in_threadpool(visible_job, job_id, principal, state)
+    last_event_id = request.headers.get("last-event-id", "")
+    if last_event_id.isdigit() and len(last_event_id) < 19:
+        after = max(after, int(last_event_id))
+    if not follow:
+        lines = await run_in_threadpool(state.store.logs, job_id, after, limit)
+        return schemas.LogList(items=[_log_line(x) for x in lines], next_after=lines[-1].id if lines else after)
+
+    def sse(x: Any) -> str:
+        return f"id: {x.id}\nevent: log\ndata: {_log_line(x).model_dump_json()}\n\n"
+
+    async def stream() -> AsyncIterator[str]:
+        cursor = after
+        last_beat = time.monotonic()
+        while True:
+            lines = await run_in_threadpool(state.store.logs, job_id, cursor, limit)
+            for x in lines:
+                cursor = x.id
+                yield sse(x)
+            if len(lines) == limit:
+                continue  # more are waiting
+            if not lines:
+                job = await run_in_threadpool(state.store.get_job, job_id)
+                # A job's last lines may be flushed just after its final status: wait a moment for them.
+                if job is None or job.terminal and time.time() - (job.finished_at or 0.0) > LOG_LINGER_S:
+                    # Drain what was written between the read of lines and of the status.
+                    while lines := await run_in_threadpool(state.store.logs, job_id, cursor, limit):
+                        for x in lines:
+                            cursor = x.id
+                            yield sse(x)
+                    yield "event: end\ndata: {}\n\n"
+                    return
+                if time.monotonic() - last_beat > 15:
+                    last_beat = time.monotonic()
+                    yield ": keep-alive\n\n"
+                if await request.is_disconnected():
+                    return
+                await asyncio.sleep(poll_s)
+
+    return StreamingResponse(stream(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 @router.get("/jobs/{job_id}/checkpoints", response_model=schemas.CheckpointList, responses=ERRORS,

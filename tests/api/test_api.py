@@ -94,7 +94,8 @@ def test_auth_matrix(api: Api) -> None:
     # Bob can neither see nor touch Alice's job: it does not exist for him.
     with Client(api.url, tb) as cb:
         for call in (lambda: cb.get(job.id), lambda: cb.cancel(job.id), lambda: cb.delete(job.id),
-                     lambda: cb.logs(job.id), lambda: cb.metrics(job.id), lambda: cb.checkpoints(job.id),
+                     lambda: list(cb.logs(job.id)), lambda: list(cb.logs(job.id, follow=True)),
+                     lambda: cb.metrics(job.id), lambda: cb.checkpoints(job.id),
                      lambda: list(cb.events(job.id, follow=False)), lambda: list(cb.events(job.id, follow=True))):
             with pytest.raises(JobNotFound, match=bob):
                 call()
@@ -288,9 +289,9 @@ def test_runtime_reports_reach_the_sdk_and_events_stream_until_the_end(api: Api)
             "SUCCEEDED", 3, 4.0, 1, 1)
         assert [m["step"] for m in c.metrics(j.id)] == [1, 2, 3]
         assert [m["step"] for m in c.metrics(j.id, after_step=2)] == [3]
-        logs = c.logs(j.id)
-        assert [x.line for x in logs.items] == ["rank0: step 1 loss 5.0", "rank0: step 3 loss 4.0", "done"]
-        assert c.logs(j.id, after=logs.next_after).items == []
+        logs = list(c.logs(j.id))
+        assert [x.line for x in logs] == ["rank0: step 1 loss 5.0", "rank0: step 3 loss 4.0", "done"]
+        assert list(c.logs(j.id, after=logs[-1].id)) == []
         assert [(k.step, k.tier, k.uri) for k in c.checkpoints(j.id)] == [(3, "persistent", "file:///tmp/ck/step-3")]
         # Resuming the stream after an event id returns only what came later, and ends at once.
         tail = list(c.events(j.id, follow=True, after=max(e.id for e in c.events(j.id, follow=False)) - 1))

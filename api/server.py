@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import errno
 import getpass
 import logging
 import os
@@ -115,8 +116,13 @@ def connect_ray(opts: ServeOptions) -> None:
     if opts.address:
         ray.init(address=opts.address, namespace=opts.namespace, log_to_driver=False)
         return
+    # The embedded cluster is this machine's alone: every Ray address on loopback (before Ray reads its
+    # constants) and node death seen in seconds, as in service.local_cluster (which sets both).
+    from service.local_cluster import FAST_FAILURE_DETECTION
+
     # Never a plain ray.init(): it could attach to someone else's cluster on this machine.
-    kwargs: dict[str, Any] = {"address": "local", "namespace": opts.namespace, "include_dashboard": opts.dashboard}
+    kwargs: dict[str, Any] = {"address": "local", "namespace": opts.namespace, "include_dashboard": opts.dashboard,
+                              "_system_config": dict(FAST_FAILURE_DETECTION)}
     if opts.dashboard:
         kwargs["dashboard_host"] = "127.0.0.1"
     if opts.num_cpus is not None:
@@ -124,11 +130,36 @@ def connect_ray(opts: ServeOptions) -> None:
     ray.init(**kwargs)
 
 
+class PortInUseError(RuntimeError):
+    """`unbroken serve` on a port something else listens on."""
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port for uvicorn, or PortInUseError naming the port and the fix."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: TIME_WAIT is no obstacle
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise PortInUseError(
+                f"port {port} on {host} is already in use (another `unbroken serve`? its URL is in "
+                f"{auth.token_file_path()}); stop that one, or pass --port with a free port"
+            ) from e
+        raise PortInUseError(f"cannot listen on {host}:{port}: {e.strerror}; pass another --host or --port") from e
+    return sock
+
+
 def run_server(opts: ServeOptions) -> None:
-    """Serve until interrupted; the scheduler and an embedded Ray stop with the server."""
+    """Serve until interrupted; the scheduler and an embedded Ray stop with the server.
+
+    The port is taken first: on a busy port nothing is written (no store, no token file) and
+    PortInUseError says so."""
     from api.app import create_app
     from service.scheduler import Quota, QuotaPolicy, Scheduler
 
+    sock = listen_socket(opts.host, opts.port)
     db = normalize_db_url(opts.db or os.environ.get("UNBROKEN_DB") or default_db_url())
     store = JobStore(db)
     url = f"http://{opts.host}:{opts.port}"
@@ -143,7 +174,9 @@ def run_server(opts: ServeOptions) -> None:
     mode = "store only (no Ray)" if scheduler is None else f"Ray {'at ' + opts.address if opts.address else 'embedded'}"
     print(f"unbroken API on {url} (docs: {url}/docs); store {db}; {mode}; admin token in {token_path}", flush=True)
     try:
-        uvicorn.run(app, host=opts.host, port=opts.port, log_level="warning", access_log=False, lifespan="off")
+        config = uvicorn.Config(app, host=opts.host, port=opts.port, log_level="warning", access_log=False,
+                                lifespan="off")
+        uvicorn.Server(config).run(sockets=[sock])
     finally:
         if scheduler is not None:
             scheduler.stop()

@@ -27,16 +27,25 @@ class CheckpointConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     uri: str | None = Field(
-        None, description="file:///path or s3://bucket/prefix; default: <output_dir>/checkpoints"
+        None,
+        description="file:///path or s3://bucket/prefix: a root shared by jobs, each writing under "
+        "<uri>/<job-id>; default: <output_dir>/checkpoints",
     )
     in_memory_every: int = Field(1, ge=0, description="steps between in-memory snapshots; 0 disables")
     persist_every: int = Field(50, ge=0, description="steps between persistent checkpoints; 0 disables")
     keep_last: int = Field(3, ge=1, description="persistent checkpoints kept (retention)")
     keeper_memory_limit_mb: int = Field(4096, ge=1, description="per keeper; larger snapshots are refused")
-    resume: bool = Field(True, description="start from the newest valid checkpoint at uri, if any")
+    resume: bool = Field(
+        True, description="start from the newest valid checkpoint of this job's own, if any (never another job's)"
+    )
+    resume_from: str | None = Field(
+        None,
+        description="start from another run's checkpoints: a checkpoint root or one step folder (file:// or "
+        "s3://), read only; the newest valid one of a root",
+    )
     s3: S3Config = Field(default_factory=S3Config)
 
-    @field_validator("uri")
+    @field_validator("uri", "resume_from")
     @classmethod
     def _scheme(cls, v: str | None) -> str | None:
         if v is not None and not (v.startswith("file://") or v.startswith("s3://")):

@@ -7,8 +7,8 @@
     drop_job(keepers, job_id)                                        # job finished / cancelled
     kill_keepers(keepers)                                            # tests, cluster teardown
 
-A keeper is `keeper-<node>` in namespace "unbroken", num_cpus=0, pinned to its node by a sliver of
-the node's `unbroken_node_<name>` resource, and threaded (max_concurrency > 1) so reads, commits and
+A keeper is `keeper-<node>` in namespace "unbroken", num_cpus=0, pinned to its node by Ray's node
+affinity (the node's id, from Ray itself: no resource for a user to add), and threaded (max_concurrency > 1) so reads, commits and
 reports run while a large shard is being received. Shards are keyed (job_id, generation, step, rank)
 and stored as numpy arrays COPIED into the keeper's own heap: an object received from a worker
 belongs to that worker and would die with it (NOTES.md), a copy outlives it.
@@ -41,8 +41,7 @@ from ray.actor import ActorHandle
 log = logging.getLogger("unbroken.keeper")
 
 NAMESPACE = "unbroken"
-NODE_RESOURCE_PREFIX = "unbroken_node_"  # as service.local_cluster and the deployment name nodes
-KEEPER_RESOURCE = 0.001  # a sliver of the node resource: pins the keeper, leaves the rest for workers
+NODE_RESOURCE_PREFIX = "unbroken_node_"  # optional readable node names (service.local_cluster)
 KEEPER_CONCURRENCY = 16
 KEEP_COMMITTED = 2
 
@@ -322,40 +321,71 @@ def ensure_keepers(
 ) -> dict[str, ActorHandle]:
     """Create (or find) `keeper-<node>` on each named node; returns {node: handle} once all answer.
 
-    An existing keeper keeps the memory limit it was created with. The node must be alive and carry
-    the resource `unbroken_node_<node>`, else its keeper cannot be placed and this raises TimeoutError.
+    Names are those of `current_node_name()`. An existing keeper keeps the memory limit it was created
+    with. A node that is not alive (or unknown to Ray) raises ValueError; one whose keeper does not
+    answer within timeout_s raises TimeoutError.
     """
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
     if not node_names:
-        raise ValueError("node_names is empty: name at least one node (its unbroken_node_<name> resource)")
+        raise ValueError("node_names is empty: name at least one node (see current_node_name)")
+    ids = node_ids_by_name()
+    unknown = sorted(set(node_names) - set(ids))
+    if unknown:
+        raise ValueError(f"nodes {unknown} are not alive in this Ray cluster (alive: {sorted(ids)})")
     actor_cls = ray.remote(Keeper)
     handles: dict[str, ActorHandle] = {}
     for node in sorted(set(node_names)):
         handles[node] = actor_cls.options(
             name=keeper_name(node), namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
-            num_cpus=0, resources={f"{NODE_RESOURCE_PREFIX}{node}": KEEPER_RESOURCE},
+            num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(ids[node], soft=False),
             max_concurrency=KEEPER_CONCURRENCY, max_restarts=0,
         ).remote(node, memory_limit_mb)  # fmt: skip
     refs = {node: h.ping.remote() for node, h in handles.items()}
     ready, pending = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
     if pending:
         late = [n for n, r in refs.items() if r in pending]
-        raise TimeoutError(
-            f"keepers on nodes {late} did not start within {timeout_s:.0f}s: is each node alive and does "
-            f"it carry the resource {NODE_RESOURCE_PREFIX}<node>?"
-        )
+        raise TimeoutError(f"keepers on nodes {late} did not start within {timeout_s:.0f}s: are those nodes alive?")
     ray.get(ready)
     return handles
 
 
-def current_node_name() -> str | None:
-    """The `unbroken_node_<name>` of the node this process runs on (inside a Ray task or actor)."""
+def node_name_of(node: dict[str, Any]) -> str:
+    """A node's name, from what Ray reports of it (an entry of `ray.nodes()`).
+
+    A node started with the resource `unbroken_node_<name>` (our local clusters give simulated nodes
+    readable names that way) is called <name>; any other node is called by the first 12 hex digits of
+    its Ray node id, unique and stable for the node's life. Nothing needs to be configured.
+    """
+    for key in node.get("Resources", {}):
+        if key.startswith(NODE_RESOURCE_PREFIX):
+            return str(key[len(NODE_RESOURCE_PREFIX) :])
+    return str(node["NodeID"])[:12]
+
+
+def node_ids_by_name() -> dict[str, str]:
+    """{node name: Ray node id} of the alive nodes."""
+    return {node_name_of(n): str(n["NodeID"]) for n in ray.nodes() if n.get("Alive")}
+
+
+def is_head(node: dict[str, Any]) -> bool:
+    """Whether a `ray.nodes()` entry is the cluster's head node (Ray marks it with a resource)."""
+    return any(k.startswith("node:__internal_head__") for k in node.get("Resources", {}))
+
+
+def current_node_name() -> str:
+    """The name (see node_name_of) of the node this process runs on (inside a Ray task or actor)."""
     node_id = ray.get_runtime_context().get_node_id()
     for n in ray.nodes():
         if n["NodeID"] == node_id:
-            for key in n.get("Resources", {}):
-                if key.startswith(NODE_RESOURCE_PREFIX):
-                    return str(key[len(NODE_RESOURCE_PREFIX) :])
-    return None
+            return node_name_of(n)
+    return str(node_id)[:12]
+
+
+def current_node_is_head() -> bool:
+    """Whether this process runs on the head node (inside a Ray task or actor)."""
+    node_id = ray.get_runtime_context().get_node_id()
+    return any(is_head(n) for n in ray.nodes() if n["NodeID"] == node_id)
 
 
 def alive_keepers(keepers: dict[str, ActorHandle], timeout_s: float = 5.0) -> dict[str, ActorHandle]:

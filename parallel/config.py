@@ -1,8 +1,9 @@
 """The engine's typed configuration: model, data, training and parallelism.
 
 Plain pydantic, no torch: the SDK, the CLI and the API validate job files with these
-classes without loading the engine. Cross-field checks that need the world size
-(tp divides heads, mesh sizes multiply to the world) live in `parallel.dims.ParallelDims`.
+classes without loading the engine. Every layout rule (tp divides heads, mesh sizes multiply to
+the world, the pipeline schedule's stages) lives in `parallel.dims`, the layout authority;
+ParallelConfig asks it about what its own section decides.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from parallel.dims import parallelism_problems, stages_per_rank
 
 
 class _Strict(BaseModel):
@@ -123,21 +126,110 @@ class ModelConfig(_Strict):
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
 
+DataKind = Literal["synthetic", "text", "tokens", "jsonl", "parquet", "hf_dataset"]
+DataFormat = Literal["text", "prompt_completion", "chat"]
+TokenDtype = Literal["uint8", "uint16", "int32", "uint32"]
+
+# The fields that say where a data set's tokens come from: shared by the training set (DataConfig) and
+# an evaluation set (EvalDataConfig, where each one left unset is the training set's).
+SOURCE_FIELDS: tuple[str, ...] = (
+    "kind", "path", "token_dtype", "tokenizer", "eos_token", "text_field", "hf_split", "format", "chat_template",
+)
+
+
+class EvalDataConfig(_Strict):
+    """A held-out set: `{split: 0.01}` of the training windows, or a data set of its own
+    (`{kind: jsonl, path: ...}`; each field left unset is the training data's)."""
+
+    split: float | None = Field(
+        None, gt=0, lt=1, description="hold out this fraction of the training windows (never trained on)"
+    )
+    sequences: int = Field(64, ge=1, description="windows of training.seq_len evaluated: the set's first N")
+    kind: DataKind | None = None
+    path: str | None = None
+    token_dtype: TokenDtype | None = None
+    tokenizer: str | None = None
+    eos_token: str | None = None
+    text_field: str | None = None
+    hf_split: str | None = None
+    format: DataFormat | None = None
+    chat_template: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> EvalDataConfig:
+        if self.split is None and self.path is None:
+            raise ValueError("data.eval needs a held-out set: split (a fraction of the training data) or a path")
+        if self.split is not None:
+            given = [f for f in SOURCE_FIELDS if getattr(self, f) is not None]
+            if given:
+                raise ValueError(
+                    f"data.eval.split holds out training data, so {', '.join('data.eval.' + f for f in given)} "
+                    "cannot be set with it; drop split or those fields"
+                )
+        if self.kind == "synthetic":
+            raise ValueError("data.eval.kind=synthetic is not a held-out set; give a data set or split")
+        return self
+
+
 class DataConfig(_Strict):
     """Where tokens come from. The samples of step s depend on (seed, s) alone."""
 
-    kind: Literal["synthetic", "text", "tokens"] = "synthetic"
+    kind: DataKind = "synthetic"
     path: str | None = Field(
-        None, description="text: a UTF-8 file or folder of files (byte-level); tokens: a flat binary file"
+        None,
+        description="text: a UTF-8 file or folder of them, one document each; tokens: a flat binary file of ids "
+        "or a folder written by `unbroken data prepare`; jsonl/parquet: a file or a folder of them; "
+        "hf_dataset: a folder written by datasets' save_to_disk",
     )
-    token_dtype: Literal["uint8", "uint16", "int32"] = Field("uint16", description="tokens files only")
+    token_dtype: TokenDtype = Field("uint16", description="flat tokens files only (a prepared folder records its own)")
     seed: int = 0
+    tokenizer: str | None = Field(
+        None, description="a tokenizer.json or a Hugging Face folder holding one; default: byte-level (ids 0..255)"
+    )
+    eos_token: str | None = Field(
+        None, description="the end-of-document token; default: tokenizer_config.json's eos_token or a well-known one"
+    )
+    text_field: str = Field("text", min_length=1, description="jsonl/parquet/hf_dataset: the field holding the text")
+    hf_split: str = Field("train", min_length=1, description="hf_dataset: the split of a DatasetDict folder")
+    format: DataFormat = Field(
+        "text",
+        description="text: plain documents; prompt_completion: fields prompt and completion, loss on the completion; "
+        "chat: a messages list rendered with the chat template, loss on the assistant turns",
+    )
+    chat_template: str | None = Field(None, description="format chat: a Jinja template; default: the tokenizer's")
+    document_mask: bool = Field(False, description="attention stays inside each packed document")
+    on_bad_row: Literal["fail", "skip"] = Field(
+        "fail", description="a row that is not UTF-8/JSON or lacks its field: refuse the data set, or skip the row"
+    )
+    eval: EvalDataConfig | None = Field(None, description="a held-out set evaluated every training.eval_every steps")
 
     @model_validator(mode="after")
     def _check(self) -> DataConfig:
         if self.kind != "synthetic" and not self.path:
             raise ValueError(f"data.kind={self.kind!r} needs data.path; set it or use kind: synthetic")
+        if self.kind == "synthetic" and self.document_mask:
+            raise ValueError("data.document_mask needs documents; synthetic data has none (use text, jsonl, ...)")
+        if self.format != "text" and self.kind in ("synthetic", "text"):
+            raise ValueError(
+                f"data.format={self.format} reads records (jsonl, parquet, hf_dataset or a prepared folder); "
+                f"data.kind={self.kind} has none"
+            )
+        if self.eval is not None and self.eval.split is not None and self.kind == "synthetic":
+            raise ValueError("data.eval.split holds out part of a finite data set; synthetic data is endless: "
+                             "give data.eval a kind and path instead")
         return self
+
+    def eval_data(self) -> DataConfig | None:
+        """The evaluation set as a data section of its own (its unset fields are the training set's);
+        None without data.eval, and the training section itself for `split`."""
+        if self.eval is None:
+            return None
+        if self.eval.split is not None:
+            return self
+        given = {f: getattr(self.eval, f) for f in SOURCE_FIELDS if getattr(self.eval, f) is not None}
+        source = {f: getattr(self, f) for f in SOURCE_FIELDS}
+        return DataConfig(**{**source, **given, "seed": self.seed, "on_bad_row": self.on_bad_row,
+                             "document_mask": self.document_mask})
 
 
 class TrainConfig(_Strict):
@@ -158,7 +250,11 @@ class TrainConfig(_Strict):
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     compile: bool = False
     seed: int = Field(0, description="seeds dropout-free RNG state (kept in the train state)")
-    output_dir: str = Field("runs/latest", description="metrics.jsonl and local checkpoints go here")
+    output_dir: str | None = Field(
+        None,
+        description="metrics.jsonl, the final state and local checkpoints go here; default: a folder of the "
+        "job's own ($UNBROKEN_HOME/runs/<job-id> under `unbroken serve`, runs/<run-id> for train and run)",
+    )
     log_every: int = Field(1, ge=1)
 
     @model_validator(mode="after")
@@ -195,14 +291,12 @@ class ParallelConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> ParallelConfig:
-        if self.dp_shard == 0:
-            raise ValueError("dp_shard=0 is not a size; use -1 to fill the world or a positive size")
-        if self.pp_microbatches is not None and self.pp_microbatches < self.pp:
-            raise ValueError(f"pp_microbatches={self.pp_microbatches} must be >= pp={self.pp}")
-        if self.pp_schedule in ("interleaved_1f1b", "zero_bubble") and self.pp > 1 and self.pp_stages_per_rank < 2:
-            self.pp_stages_per_rank = 2
-        if self.pp_schedule == "zbv" and self.pp > 1 and self.pp_stages_per_rank != 2:
-            raise ValueError("pp_schedule=zbv uses exactly 2 stages per rank; set pp_stages_per_rank: 2")
+        stages = stages_per_rank(self.pp_schedule, self.pp, self.pp_stages_per_rank)
+        if stages != self.pp_stages_per_rank:
+            self.pp_stages_per_rank = stages
+        problems = parallelism_problems(self)
+        if problems:
+            raise ValueError("; ".join(str(p) for p in problems))
         return self
 
 

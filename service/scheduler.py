@@ -170,8 +170,12 @@ class Scheduler:
         cluster: RayCluster | None = None,
         interval_s: float = 1.0,
         liveness_every_s: float = 5.0,
+        runs_root: str | None = None,
     ) -> None:
+        from service.auth import unbroken_home
+
         self.store = store
+        self.runs_root = runs_root or str(unbroken_home() / "runs")  # each job's folder: <runs_root>/<job-id>
         self.store_url = store_url if store_url is not None else store.url
         self.namespace = namespace
         self.quotas = quotas or QuotaPolicy()
@@ -266,6 +270,9 @@ class Scheduler:
         if not self.store.mark_admitted(job_id):
             return False  # cancelled meanwhile
         try:
+            from service.job_paths import resolve_job_paths
+
+            spec = resolve_job_paths(spec, job_id, self.runs_root)
             handle = _launch_supervisor(job_id, spec, self.store_url, self.namespace)
         except Exception as e:
             log.exception("could not start the supervisor of job %s", job_id)

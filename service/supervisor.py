@@ -45,6 +45,7 @@ _POLL_S = 0.05
 _LINGER_S = 600.0  # without a store, stay readable this long after the end (or until shutdown())
 _START_GRACE_S = 2.0
 _HEARTBEAT_GAUGE_S = 1.0  # how often heartbeat ages are exported
+_LOG_FLUSH_S = 0.5  # how often the job's output lines go to the store
 
 
 def _echo_events_to_actor_log() -> None:
@@ -124,7 +125,9 @@ class Failure:
 class Supervisor:
     def __init__(self, job_id: str, spec_json: str, store_url: str | None, namespace: str = NAMESPACE) -> None:
         from service.spec import JobSpec
+        from workers.log_capture import capture_process_output
 
+        self._output = capture_process_output()  # this actor is the job's: its output goes to the job's logs
         _echo_events_to_actor_log()
         self.job_id = job_id
         self.spec = JobSpec.model_validate_json(spec_json)
@@ -154,6 +157,9 @@ class Supervisor:
         self._hb: dict[str, tuple[float, dict[str, Any]]] = {}
         self._formed: dict[str, dict[str, Any]] = {}
         self._faults: list[dict[str, Any]] = []
+        self._logs: list[tuple[float, str | None, str]] = []  # (time, source, line), flushed to the store
+        self.warnings: list[str] = []
+        self._logs_flushed_at = 0.0
         self._step_reports: dict[int, dict[str, dict[str, float]]] = {}
         self._pending_rows: dict[int, dict[str, Any]] = {}
         self._last_row_step = 0
@@ -190,6 +196,10 @@ class Supervisor:
         kind = msg.get("type")
         with self._lock:
             name = str(msg.get("worker"))
+            lines = msg.pop("logs", None)
+            if lines and self.store is not None:
+                src = f"rank {msg['rank']}" if int(msg.get("rank", -1)) >= 0 else name.rsplit("/", 1)[-1]
+                self._logs.extend((float(t), src, str(line)) for t, _stream, line in lines)
             self._hb[name] = (now, msg)
             gen = int(msg.get("generation", -1))
             if kind == "fault":
@@ -264,16 +274,36 @@ class Supervisor:
                 self.store.set_status(self.job_id, STORE_STATUS[state], reason or None)
 
     def _on_checkpoint(self, msg: dict[str, Any]) -> None:
+        if not msg.get("ok") and (msg.get("abandoned") or int(msg.get("generation", -1)) < self.generation):
+            # Its group broke under it (a failure, reported as such): not a storage problem.
+            log.info("checkpoint of step %s abandoned with generation %s: %s", msg.get("step"),
+                     msg.get("generation"), msg.get("error"))
+            return
         if msg.get("ok"):
-            self._event("checkpointed", f"persistent checkpoint of step {msg['step']} at {msg.get('uri')}",
+            self._event("checkpointed", f"Persistent checkpoint of step {msg['step']} written to {msg.get('uri')}.",
                         step=msg["step"], uri=msg.get("uri"), tier=msg.get("tier", "persistent"))
             if self.store is not None:
                 with contextlib.suppress(Exception):
                     self.store.add_checkpoint(self.job_id, int(msg["step"]), str(msg.get("uri")),
                                               str(msg.get("tier", "persistent")))
         else:
-            self._event("checkpoint_failed", f"checkpoint of step {msg.get('step')} failed: {msg.get('error')}",
+            self._event("checkpoint_failed", f"The persistent checkpoint of step {msg.get('step')} failed: "
+                        f"{_first_line(msg.get('error'))}",
                         step=msg.get("step"), error=msg.get("error"))
+
+    def _flush_logs(self) -> None:
+        """The job's output lines (workers' and this supervisor's) to the store, in batches."""
+        if self.store is None:
+            return
+        own = [(t, "supervisor", line) for t, _stream, line in self._output.drain()]
+        with self._lock:
+            lines, self._logs = self._logs + own, []
+        if lines:
+            lines.sort(key=lambda x: x[0])
+            try:
+                self.store.add_logs(self.job_id, lines)
+            except Exception as e:  # noqa: BLE001 - output lines are not worth failing a job over
+                log.warning("could not store %d log line(s): %s", len(lines), e)
 
     def _flush_metrics(self) -> None:
         """Rows in step order, each step once (a step re-run after a recovery is not written again)."""
@@ -307,7 +337,12 @@ class Supervisor:
         from workers.metrics_log import MetricsLog
 
         try:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
+            from service.job_paths import FolderTaken, claim_folder
+
+            try:
+                claim_folder(self.output_dir, self.job_id)
+            except FolderTaken as e:
+                raise JobFailed(str(e)) from None
             metrics_path = self.output_dir / "metrics.jsonl"
             if self.restarted and metrics_path.exists():  # go on after the rows already written
                 from workers.metrics_log import read_metrics
@@ -338,6 +373,7 @@ class Supervisor:
             with contextlib.suppress(Exception):
                 self._flush_metrics()
             self._release_all()
+            self._flush_logs()
             with contextlib.suppress(Exception):
                 self._metrics_log.close()
             if self._tb is not None:
@@ -430,11 +466,12 @@ class Supervisor:
                     for s in rep.slots:
                         s.info = ray.get(s.info_ref)
                     rep.state = "ready"
-                    self._event("replica_ready", f"replica {rep.index} is ready ({self.mp} worker(s) on node "
-                                f"{rep.slots[0].info.get('node_name') if rep.slots[0].info else '?'})",
-                                replica=rep.index)
+                    where = sorted({str(s.info.get("node_name")) for s in rep.slots if s.info})
+                    self._event("replica_ready", f"Replica {rep.index} is ready: {_plural(self.mp, 'worker')} on "
+                                f"node {', '.join(where)}.", replica=rep.index, nodes=where)
                 except RayActorError as e:
-                    self._event("replica_failed", f"replica {rep.index} failed to start: {e}", replica=rep.index)
+                    self._event("replica_failed", f"Replica {rep.index} failed to start: {_first_line(e)}",
+                                replica=rep.index)
                     self._drop_replica(rep)
 
     def _count(self, *states: str) -> int:
@@ -480,8 +517,22 @@ class Supervisor:
                 )
             time.sleep(_POLL_S)
         reps = sorted((r for r in self.replicas.values() if r.state == "ready"), key=lambda r: r.index)
-        self._launch(0, reps[: self.dp_max], restore=self.spec.checkpoint.resume)
+        self._probe(reps[0].slots[0])
+        ck = self.spec.checkpoint
+        self._launch(0, reps[: self.dp_max], restore=ck.resume or bool(ck.resume_from))
         self._to(JobState.RUNNING, "workers started")
+
+    def _probe(self, slot: Slot) -> None:
+        """The start-up checks (workers.probe) on a worker's node before the gang starts: a problem there
+        is deterministic, so the job fails now with it rather than going through recoveries."""
+        try:
+            problems = ray.get(slot.handle.probe.remote(), timeout=300)
+        except RayActorError as e:
+            raise JobFailed(f"the start-up check could not run: {_first_line(e)}") from None
+        if problems:
+            raise JobFailed("the job cannot start: " + "; ".join(problems))
+        self._event("checked", "Start-up checks passed on node "
+                    f"{(slot.info or {}).get('node_name', '?')}: data, checkpoint storage and inputs are reachable.")
 
     def _adopt(self) -> None:
         """After our own restart: find the workers by name, stop them, and re-form from the last state."""
@@ -556,23 +607,35 @@ class Supervisor:
         return collective_timeout_s(self.ft.collective_timeout_s, max(step_times) if step_times else None)
 
     def _ensure_keepers(self, slots: list[Slot]) -> None:
-        """A keeper on every node the job uses (kept for nodes it used before, while they live)."""
+        """A keeper on every node the job uses (kept for nodes it used before, while they live).
+
+        Nodes are named from Ray itself (checkpointing.keeper.node_name_of), so this works on any
+        cluster. One node means one copy of each shard: said once, as a warning event."""
         if not self.spec.checkpoint.in_memory_every:
             return
-        from checkpointing.keeper import ensure_keepers
+        from checkpointing.keeper import ensure_keepers, node_ids_by_name
 
-        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        alive = node_ids_by_name()
         nodes = {str(s.info["node_name"]) for s in slots if s.info and s.info.get("node_name")}
         for name in list(self.keepers):
-            if name in nodes:
-                continue
-            node_ids = [s.info.get("node_id") for r in self.replicas.values() for s in r.slots
-                        if s.info and s.info.get("node_name") == name]
-            if node_ids and not any(i in alive for i in node_ids):
+            if name not in nodes and name not in alive:
                 self.keepers.pop(name)  # its node is gone, and its memory with it
         missing = sorted(nodes - set(self.keepers))
         if missing:
-            self.keepers.update(ensure_keepers(missing, memory_limit_mb=self.spec.checkpoint.keeper_memory_limit_mb))
+            try:
+                self.keepers.update(ensure_keepers(missing, memory_limit_mb=self.spec.checkpoint.keeper_memory_limit_mb))
+            except (TimeoutError, ValueError) as e:
+                self._event("keepers_missing", f"in-memory snapshots: no keeper on node(s) {', '.join(missing)} "
+                            f"({e}); their ranks' snapshots go to the other nodes' keepers", nodes=missing)
+        if not self.keepers:
+            raise JobFailed("checkpoint.in_memory_every is set but no node could hold an in-memory snapshot "
+                            "(no keeper could be started); set checkpoint.in_memory_every: 0 or check the cluster")
+        if len(self.keepers) < 2 and "one_copy" not in self.warnings:
+            self.warnings.append("one_copy")
+            only = next(iter(self.keepers))
+            self._event("warning", f"In-memory snapshots are kept on one node only ({only}): a worker failure "
+                        "recovers from memory, but the loss of that node falls back to the last persistent "
+                        "checkpoint. Add a second node to keep a second copy.", node=only, copies=1)
 
     def _commit_snapshots(self) -> None:
         """Commit the newest snapshot every rank has acknowledged (the keepers check the copies).
@@ -645,8 +708,8 @@ class Supervisor:
             s.run_ref = s.handle.run.remote(generation, s.rank, world, host, port, dp, restore=target,
                                             timeout_s=timeout, keepers=self.keepers or None)
         telemetry.record_group(self.job_id, dp, generation)
-        self._event("generation", f"generation {generation}: {world} worker(s), dp={dp}"
-                    + (f", restoring snapshot {target}" if target else ""),
+        self._event("generation", f"Generation {generation} starts with {_plural(world, 'worker')} at dp={dp}"
+                    + _restore_phrase(target) + ".",
                     generation=generation, dp=dp, world_size=world, restore=target,
                     ranks={s.name: s.rank for s in slots}, keepers=sorted(self.keepers))
 
@@ -683,6 +746,9 @@ class Supervisor:
             if self._cancel.is_set():
                 return "cancelled"
             self._commit_snapshots()  # flushes the metrics rows first
+            if time.monotonic() - self._logs_flushed_at > _LOG_FLUSH_S:
+                self._logs_flushed_at = time.monotonic()
+                self._flush_logs()
             self._advance()
             slots = self._active_slots()
             pending = [s for s in slots if s.result is None]
@@ -708,8 +774,11 @@ class Supervisor:
                     continue
                 seen = hbs.get(s.name, (None, None))[0]
                 if seen is not None and now - seen > hb_timeout:
-                    return Failure("hang", [s], f"{s.name} (rank {s.rank}) sent no heartbeat for "
-                                   f"{now - seen:.1f}s (heartbeat_timeout_s={hb_timeout:g})", now, t_fault=seen)
+                    fault = self._fault_of(s)
+                    cause = f" (hung by chaos: {fault['kind']})" if fault else ""
+                    return Failure("hang", [s], f"Rank {s.rank} ({s.name.rsplit('/', 1)[-1]}) sent no heartbeat "
+                                   f"for {now - seen:.1f}s{cause}; heartbeat_timeout_s={hb_timeout:g}.", now,
+                                   t_fault=seen)
             self._export_heartbeat_ages(slots, hbs, now)
             f = self._check_stragglers(slots)
             if f is not None:
@@ -736,8 +805,7 @@ class Supervisor:
             s.result = {"status": "dead", "error": str(e)}
             s.dead = "died"
             kind = "node_died" if self._node_dead(s) else "worker_died"
-            return Failure(kind, [s], f"{s.name} (rank {s.rank}) died: {_first_line(e)}", time.time(),
-                           t_fault=self._fault_time(s))
+            return Failure(kind, [s], self._death_text(s, kind, e), time.time(), t_fault=self._fault_time(s))
         res = s.result
         if res["status"] in ("finished", "paused"):
             return None
@@ -759,11 +827,26 @@ class Supervisor:
         return True
 
     def _fault_time(self, s: Slot) -> float | None:
+        f = self._fault_of(s)
+        return float(f["time"]) if f else None
+
+    def _fault_of(self, s: Slot) -> dict[str, Any] | None:
+        """The chaos fault that fired in this worker's current generation, if any."""
         with self._lock:
             for f in reversed(self._faults):
-                if f.get("worker") == s.name:
-                    return float(f["time"])
+                if f.get("worker") == s.name and f.get("generation") == self.generation:
+                    return f
         return None
+
+    def _death_text(self, s: Slot, kind: str, e: BaseException) -> str:
+        """One sentence, the cause first: chaos by name; a node loss; else Ray's first line."""
+        who = f"Rank {s.rank} ({s.name.rsplit('/', 1)[-1]} on node {(s.info or {}).get('node_name', '?')})"
+        fault = self._fault_of(s)
+        if fault is not None:
+            return f"{who} was stopped by chaos ({fault['kind']} before step {int(fault['step']) + 1})."
+        if kind == "node_died":
+            return f"{who} was lost with its node."
+        return f"{who} died: {_first_line(e)}"
 
     def _check_stragglers(self, slots: list[Slot]) -> Failure | None:
         names = {s.name for s in slots}
@@ -783,6 +866,8 @@ class Supervisor:
     def _maybe_grow(self, slots: list[Slot]) -> None:
         if self._pausing is not None or self.dp >= self.dp_max or self._count("ready") == 0:
             return
+        if self._recovery is not None:
+            return  # the recovering generation first completes a step (and says `recovered`)
         if self._count("starting"):
             return  # more replicas are on their way: grow once, with all of them
         if self.scaling.wants_growth(self.dp, self._count("ready")) == 0:
@@ -836,16 +921,18 @@ class Supervisor:
 
     def _recover(self, failure: Failure) -> None:
         t_detect = failure.t_detect
-        self._to(JobState.RECOVERING, failure.detail)
+        self._close_recovery()  # an earlier recovery still replaying: it ends here, with what it reached
         old_dp, old_gen = self.dp, self.generation
         last_step = self._last_step_seen
+        ok, why = self.failures.decide(failure.kind, self.recoveries, failure.step)
         self._event("failure_detected", failure.detail, kind=failure.kind, generation=old_gen,
                     workers=[s.name for s in failure.slots], ranks=[s.rank for s in failure.slots],
-                    step=last_step,
+                    step=last_step, recover=ok,
                     detect_s=(t_detect - failure.t_fault) if failure.t_fault else None)
-        ok, why = self.failures.decide(failure.kind, self.recoveries, failure.step)
-        if not ok:
-            raise JobFailed(f"{failure.detail}; not recovering: {why}")
+        if not ok:  # deterministic (a start-up error, the same step failing again): fail now, no recovery
+            self._stop_generation(self._active_slots(), failure.slots)
+            raise JobFailed(f"{failure.detail.rstrip('.')}; not recovering: {why}")
+        self._to(JobState.RECOVERING, failure.detail)
         self.recoveries += 1
         telemetry.record_recovery(self.job_id, failure.kind)
         self._pausing = None
@@ -877,7 +964,7 @@ class Supervisor:
             self._event("resized", f"dp {old_dp} -> {dp} (world {old_dp * self.mp} -> {dp * self.mp})",
                         old_dp=old_dp, new_dp=dp, generation=self.generation, cause=failure.kind)
         self._recovery = {
-            "kind": failure.kind, "t_fault": failure.t_fault, "t_detect": t_detect, "t_launch": t_launch,
+            "kind": failure.kind, "cause": _cause_phrase(failure), "t_fault": failure.t_fault, "t_detect": t_detect, "t_launch": t_launch,
             "last_step": last_step, "generation": self.generation,
         }
         self._to(JobState.RUNNING, f"re-formed at dp={dp}")
@@ -918,8 +1005,16 @@ class Supervisor:
             f"alive after waiting wait_for_capacity_s={wait:g}; add capacity or lower resources.dp.min"
         )
 
-    def _finish_recovery_timing(self, rec: dict[str, Any], row: dict[str, Any]) -> None:
+    def _finish_recovery_timing(self, rec: dict[str, Any], row: dict[str, Any] | None) -> None:
+        """The one `recovered` event of a recovery, once its generation completed a step (`row`): the
+        cause first, then the phases in order. With row=None the recovery was cut short (a new failure
+        before its first step) and says so instead."""
         now = time.time()
+        self._recovery = None
+        if row is None:
+            self._event("recovery_interrupted", f"The recovery into generation {rec['generation']} was "
+                        "interrupted by a new failure before its first step.", generation=rec["generation"])
+            return
         with self._lock:
             formed = dict(self._formed)
         t_formed = max((float(m["time"]) for m in formed.values()), default=now)
@@ -932,23 +1027,27 @@ class Supervisor:
         reform_s = max(0.0, t_formed - rec["t_detect"] - restore_s)
         replay_s = max(0.0, now - t_formed)
         total = now - (rec["t_fault"] or rec["t_detect"])
-        self._recovery = None
+        lost = max(0, rec["last_step"] - restored)
         if self._tb is not None:
             with contextlib.suppress(Exception):
                 self._tb.log_recovery(int(row["step"]), int(rec["generation"]), str(rec["kind"]),
                                       f"restored step {restored} from {'/'.join(sources)}")
+        where = " and ".join(_SOURCE_WORDS.get(x, x) for x in sources)
         self._event(
-            "restored",
-            f"generation {rec['generation']} restored step {restored} from {'/'.join(sources)} and completed "
-            f"step {row['step']}: detect {_fmt_s(detect_s)}, re-form {reform_s:.2f}s, restore {restore_s:.2f}s, "
-            f"replay {replay_s:.2f}s",
+            "recovered",
+            f"Recovered from {rec['cause']} in {total:.2f}s: detect {_fmt_s(detect_s)}, re-form {reform_s:.2f}s, "
+            f"restore {restore_s:.2f}s (step {restored} {where}), replay {replay_s:.2f}s; "
+            f"{_plural(lost, 'step')} lost; generation {rec['generation']} completed step {row['step']}."
+            + (f" The in-memory snapshot could not be used: {fallback[0]}." if fallback else ""),
             generation=rec["generation"], kind=rec["kind"], restored_step=restored, source=sources,
-            last_step=rec["last_step"], lost_steps=max(0, rec["last_step"] - restored),
+            last_step=rec["last_step"], lost_steps=lost,
             detect_s=detect_s, reform_s=reform_s, restore_s=restore_s, replay_s=replay_s, total_s=total,
             first_step=row["step"], fallback_reason=fallback[0] if fallback else None,
         )
-        if fallback:
-            self._event("fallback", f"restored from the persistent checkpoint: {fallback[0]}", reason=fallback[0])
+
+    def _close_recovery(self) -> None:
+        if self._recovery is not None:
+            self._finish_recovery_timing(self._recovery, None)
 
     def _grow(self) -> None:
         self._to(JobState.RESIZING, "growing")
@@ -1020,6 +1119,36 @@ def _sigkill_if_local(s: Slot) -> None:
 def _first_line(e: Any) -> str:
     text = str(e).strip()
     return text.splitlines()[0][:300] if text else type(e).__name__
+
+
+_SOURCE_WORDS = {"keepers": "from memory", "memory": "from memory", "persistent": "from the persistent checkpoint",
+                 "fresh": "from scratch", "resume_from": "from checkpoint.resume_from"}
+
+
+def _cause_phrase(f: Failure) -> str:
+    """The failure in a few words, for the `recovered` sentence."""
+    ranks = sorted({s.rank for s in f.slots if s.rank >= 0})
+    who = f"rank {', '.join(map(str, ranks))}" if ranks else "a broken collective"
+    return {
+        "worker_died": f"the loss of {who}", "node_died": f"the loss of a node ({who})",
+        "hang": f"a hang of {who}", "step_error": f"an error in the step of {who}",
+        "straggler": f"replacing the straggler {who}", "collective_error": "a broken collective",
+    }.get(f.kind, f"{f.kind} ({who})")
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def _restore_phrase(target: dict[str, Any] | None) -> str:
+    """How a generation starts, in words (the restore target the workers get)."""
+    if target is None:
+        return ", from scratch"
+    if target.get("step") is not None:
+        return f", restoring the in-memory snapshot of step {target['step']}"
+    if target.get("resume"):
+        return ", from the job's newest persistent checkpoint if it has one"
+    return ", from the newest persistent checkpoint (no in-memory snapshot is committed)"
 
 
 def _fmt_s(x: float | None) -> str:

@@ -169,7 +169,9 @@ class LocalLauncher:
         check_job(cfg, nproc, self.device)
         self.cfg = cfg.model_copy(deep=True)
         self.nproc = nproc
-        self.output_dir = Path(output_dir if output_dir is not None else cfg.training.output_dir).resolve()
+        named = output_dir if output_dir is not None else cfg.training.output_dir
+        # A fresh folder for each run unless one is named: a run never reads or overwrites another's.
+        self.output_dir = Path(named or Path("runs") / time.strftime("train-%Y%m%d-%H%M%S")).resolve()
         self.cfg.training.output_dir = str(self.output_dir)
         # Paths as the caller meant them (relative to its folder), whatever folder a rank reads them in.
         if self.cfg.data.path:

@@ -34,7 +34,7 @@ from typing import Any
 
 import ray
 
-from checkpointing.keeper import current_node_name
+from checkpointing.keeper import current_node_is_head, current_node_name
 from workers import telemetry
 
 log = logging.getLogger("unbroken.worker")
@@ -57,6 +57,9 @@ class WorkerOptions:
 class Worker:
     def __init__(self, name: str, engine_json: str, ckpt_json: str, options: dict[str, Any], supervisor: Any) -> None:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+        from workers.log_capture import capture_process_output
+
+        self._output = capture_process_output()  # this process is the job's: its output goes to the job's logs
         import torch
 
         from checkpointing.config import CheckpointConfig
@@ -72,7 +75,8 @@ class Worker:
         self.opts = WorkerOptions(**options)
         self.supervisor = supervisor
         self.node_id = ray.get_runtime_context().get_node_id()
-        self.node_name = current_node_name()
+        self.node_name = current_node_name()  # from Ray: a keeper can be placed on any node
+        self.on_head = current_node_is_head()
         self.pid = os.getpid()
         self.host = "127.0.0.1" if os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") == "0" else (
             ray.util.get_node_ip_address()
@@ -89,7 +93,7 @@ class Worker:
         self.max_step_time_s: float | None = None
         from workers.chaos import Chaos
 
-        self.chaos = Chaos(self.opts.chaos, is_head_node=lambda: self.node_name == "head", on_fire=self._fired)
+        self.chaos = Chaos(self.opts.chaos, is_head_node=lambda: self.on_head, on_fire=self._fired)
         self._hb_stop = threading.Event()
         threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
 
@@ -109,6 +113,12 @@ class Worker:
         with self._lock:
             self._master_store = open_master_store(self.host, world_size, timeout_s)
             return int(self._master_store.port)
+
+    def probe(self) -> list[str]:
+        """The start-up checks on this worker's node (workers.probe); [] when the job can start."""
+        from workers.probe import probe_job
+
+        return probe_job(self.cfg, self.ckpt_cfg, checkpoint_root(self.ckpt_cfg, self.opts.output_dir))
 
     def abort(self, generation: int) -> None:
         """Stop training in every generation up to `generation` at the next step boundary."""
@@ -132,6 +142,9 @@ class Worker:
         }
         if extra:
             msg.update(extra)
+        lines = self._output.drain()
+        if lines:
+            msg["logs"] = lines
         with contextlib.suppress(Exception):  # fire and forget: a missing supervisor must not stop training
             self.supervisor.report.remote(msg)
 
@@ -143,7 +156,7 @@ class Worker:
         with contextlib.suppress(Exception):
             self.supervisor.report.remote({
                 "type": "fault", "worker": self.name, "generation": self.generation, "rank": self.rank,
-                "kind": fault.kind, "step": self.step, "time": time.time(),
+                "kind": fault.kind, "step": self.step, "time": time.time(), "logs": self._output.drain(),
             })
         time.sleep(0.05)  # let the note leave before the process may vanish
 
@@ -272,6 +285,12 @@ class Worker:
         return torch.device("cuda", 0 if ids else rank % torch.cuda.device_count())
 
 
+def checkpoint_root(ckpt_cfg: Any, output_dir: str | Path) -> str:
+    """Where a job's persistent checkpoints go: checkpoint.uri (the service made it the job's own), else
+    <output_dir>/checkpoints."""
+    return str(ckpt_cfg.uri or (Path(output_dir) / "checkpoints").resolve().as_uri())
+
+
 def device_is_cuda() -> bool:
     import torch
 
@@ -323,7 +342,7 @@ class _Tiers:
         self.persist_every = cc.persist_every
         self.snap_every = cc.in_memory_every if keepers else 0
         self.keepers = keepers or {}
-        root = cc.uri or (out / "checkpoints").resolve().as_uri()
+        root = checkpoint_root(cc, out)
         # Always there: it writes every persist_every steps and is the fallback of a restore.
         self.persistent: Any = CheckpointManager(cc, root, rank=rank, world_size=world_size,
                                                  process_group=_side_group(timeout_s),
@@ -332,7 +351,7 @@ class _Tiers:
         if self.snap_every:
             from checkpointing.snapshot import SnapshotClient
 
-            self.snap = SnapshotClient(worker.opts.job_id, rank, world_size, worker.node_name or "head", self.keepers,
+            self.snap = SnapshotClient(worker.opts.job_id, rank, world_size, worker.node_name, self.keepers,
                                        optimizer=None, timeout_s=max(30.0, timeout_s))
 
     def after_step(self, trainer: Any, generation: int) -> dict[str, Any] | None:
@@ -366,10 +385,14 @@ class _Tiers:
                                         res.bytes_written)
         if self.rank != 0:
             return
+        # A save whose group broke under it (a peer failed) is abandoned with its generation, not a
+        # storage failure: the next generation writes that step again.
+        broken = not res.ok and _is_collective_error(RuntimeError(str(res.error)))
         with contextlib.suppress(Exception):
             self.w.supervisor.report.remote({
                 "type": "checkpoint", "worker": self.w.name, "step": res.step, "generation": res.generation,
                 "ok": res.ok, "uri": res.uri, "error": res.error, "tier": "persistent", "time": time.time(),
+                "abandoned": broken,
             })
 
     def restore(self, trainer: Any, target: dict[str, Any]) -> dict[str, Any]:
@@ -389,14 +412,37 @@ class _Tiers:
             return {"step": int(trainer.step), "source": info.source, "fallback_reason": info.fallback_reason,
                     "uri": info.uri, "snapshot_world": info.world_size}
         ckpt = self.persistent.latest_valid(deep=False)
+        source, reader = "persistent", self.persistent
+        if ckpt is None and target.get("resume") and self.w.ckpt_cfg.resume_from:
+            source = "resume_from"
+            reader, ckpt = self._resume_from(self.w.ckpt_cfg.resume_from)
         if ckpt is None:
             return {"step": 0, "source": "fresh",
                     "skipped": [f"step {s}: {why}" for s, why in self.persistent.skipped]}
         state = trainer.state_dict()
-        self.persistent.load(state, ckpt)
+        reader.load(state, ckpt)
         trainer.load_state_dict(state)
-        return {"step": int(trainer.step), "source": "persistent", "uri": ckpt.uri,
-                "fallback_reason": "no committed in-memory snapshot" if self.keepers else None}
+        return {"step": int(trainer.step), "source": source, "uri": ckpt.uri,
+                "fallback_reason": "no committed in-memory snapshot" if self.keepers and source == "persistent"
+                else None}
+
+    def _resume_from(self, uri: str) -> tuple[Any, Any]:
+        """(a reader, the checkpoint) for checkpoint.resume_from: a root's newest valid one, or one step folder.
+        Read only: nothing is written there."""
+        from checkpointing.manifest import parse_step_dir
+        from checkpointing.persistent import CheckpointManager
+
+        root, _, last = uri.rstrip("/").rpartition("/")
+        step = parse_step_dir(last)
+        cfg = self.w.ckpt_cfg.model_copy(update={"uri": root if step is not None else uri})
+        reader = CheckpointManager(cfg, cfg.uri, rank=self.rank, world_size=self.world,
+                                   process_group=self.persistent.pg)
+        if step is None:
+            return reader, reader.latest_valid(deep=False)
+        found = [c for c in reader.list() if c.step == step and c.valid]
+        if not found:
+            raise FileNotFoundError(f"checkpoint.resume_from={uri}: no valid checkpoint of step {step} there")
+        return reader, found[0]
 
     def wait(self) -> None:
         self.persistent.wait()
@@ -404,7 +450,7 @@ class _Tiers:
     def abandon(self) -> None:
         """After a failure: stop the background threads without waiting on a broken group."""
         with contextlib.suppress(Exception):
-            self.persistent._executor.shutdown(wait=False, cancel_futures=True)
+            self.persistent.abandon()
         if self.snap is not None:
             with contextlib.suppress(Exception):
                 if self.snap._hook is not None:

@@ -22,7 +22,7 @@ def _fail(message: str, code: int) -> None:
 def train(
     job_file: Path = typer.Argument(..., help="job YAML/JSON: sections model, data, training, parallelism"),
     nproc: int = typer.Option(1, "--nproc", "-n", help="processes (ranks) on this machine"),
-    output: Path | None = typer.Option(None, "--output", "-o", help="run folder; default: training.output_dir"),
+    output: Path | None = typer.Option(None, "--output", "-o", help="run folder; default: training.output_dir, else a fresh runs/train-<time>"),
     device: str = typer.Option("auto", help="cpu, cuda, or auto (cuda when present)"),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="show a progress bar"),
 ) -> None:

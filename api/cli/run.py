@@ -55,8 +55,15 @@ def run_job(
     except SpecError as e:
         typer.echo(f"error: {job_file}: {e}", err=True)
         return 2
-    out_dir = Path(output or spec.training.output_dir).expanduser().resolve()
-    spec.training.output_dir = str(out_dir)
+    from service.job_paths import folder_owner, resolve_job_paths
+
+    named = output or spec.training.output_dir
+    # A folder named again is that run's own: the job goes on with its id (and its checkpoints).
+    jid = job_id or (named and folder_owner(Path(named).expanduser())) or f"run-{uuid.uuid4().hex[:8]}"
+    if named:
+        spec.training.output_dir = str(Path(named).expanduser().resolve())
+    spec = resolve_job_paths(spec, jid, Path("runs"))
+    out_dir = Path(str(spec.training.output_dir))
     if spec.data.path:
         spec.data.path = str(Path(spec.data.path).expanduser().resolve())
     import ray
@@ -74,7 +81,6 @@ def run_job(
         for name, cpus in nodes.items():
             cluster.add_node(name, num_cpus=cpus)
         cluster.connect()
-    jid = job_id or f"run-{uuid.uuid4().hex[:8]}"
     state = "FAILED"
     try:
         handle = launch_supervisor(jid, spec, store_url=None)
@@ -121,7 +127,8 @@ def run(
     address: str = typer.Option(None, help="a running Ray cluster (HOST:PORT); default: start a private one here"),
     num_cpus: float = typer.Option(None, help="CPUs of the embedded cluster's head node (default: all)"),
     node: list[str] = typer.Option([], help="with the embedded cluster: add a simulated node NAME=CPUS (repeat)"),
-    output: str = typer.Option(None, help="output folder (default: training.output_dir of the job)"),
+    output: str = typer.Option(None, help="output folder (default: training.output_dir of the job, else a fresh "
+                                          "runs/<run-id>); naming a run's folder again goes on with that run"),
     job_id: str = typer.Option(None, help="the job's id (default: a fresh one)"),
     progress: bool = typer.Option(True, help="show a progress bar"),
 ) -> None:

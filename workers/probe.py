@@ -1,0 +1,61 @@
+"""The start-up probe: what a job needs from a worker node, checked there before the gang starts.
+
+The API cannot check these (it may run elsewhere, without the data or the credentials): the data
+opens and yields its first batch, `model.init_from` exists, and the checkpoint root (and
+`checkpoint.resume_from`) can be listed with the job's credentials. A problem found here is
+deterministic, so the job fails at once with it instead of going through recoveries.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def probe_job(cfg: Any, ckpt_cfg: Any, default_root: str) -> list[str]:
+    """Problems that would stop the job from starting, each naming its field and the fix; [] when none.
+
+    `cfg` is the EngineConfig, `ckpt_cfg` the CheckpointConfig, `default_root` the checkpoint root
+    used when `checkpoint.uri` is not set.
+    """
+    problems: list[str] = []
+    problems += _probe_data(cfg)
+    if cfg.model.init_from and not Path(cfg.model.init_from).expanduser().exists():
+        problems.append(f"model.init_from={cfg.model.init_from!r} does not exist on the worker node; "
+                        "point it at a folder written by export-hf or a Hugging Face checkpoint")
+    problems += _probe_storage("checkpoint.uri", ckpt_cfg.uri or default_root, ckpt_cfg)
+    if ckpt_cfg.resume_from:
+        problems += _probe_storage("checkpoint.resume_from", ckpt_cfg.resume_from, ckpt_cfg, must_hold=True)
+    return problems
+
+
+def _probe_data(cfg: Any) -> list[str]:
+    from parallel.data import DataLoader
+
+    t = cfg.training
+    try:
+        loader = DataLoader(cfg.data, t.seq_len, t.global_batch_size, cfg.model.vocab_size)
+        loader.global_batch(0)
+    except Exception as e:  # noqa: BLE001 - any error here is the data's; reported with its message
+        text = str(e) or type(e).__name__
+        return [text if text.startswith("data.") else f"data: {text}"]
+    return []
+
+
+def _probe_storage(field: str, uri: str, ckpt_cfg: Any, *, must_hold: bool = False) -> list[str]:
+    from checkpointing.uri import open_store
+
+    try:
+        store = open_store(uri, ckpt_cfg.s3)
+        try:
+            held = store.list("")
+        finally:
+            store.close()
+    except Exception as e:  # noqa: BLE001 - credentials, endpoint, permissions: all said the same way
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        fix = ("check checkpoint.s3 (endpoint_url, access keys) or the worker's AWS_* environment"
+               if uri.startswith("s3://") else "check the path and its permissions on the worker node")
+        return [f"{field}={uri}: cannot be read ({type(e).__name__}: {first}); {fix}"]
+    if must_hold and not held:
+        return [f"{field}={uri} holds no checkpoint; name a checkpoint root or a step-NNNNNNNN folder"]
+    return []

@@ -20,10 +20,14 @@ def serve(
     quota_workers: int = typer.Option(None, help="per-owner limit on running workers"),
 ) -> None:
     """Run the API server and scheduler; writes an admin token file the SDK and CLI read."""
-    from api.server import ServeOptions, run_server
+    from api.server import PortInUseError, ServeOptions, run_server
 
-    run_server(ServeOptions(host=host, port=port, db=db, address=address, num_cpus=num_cpus, no_ray=no_ray,
-                            dashboard=dashboard, quota_jobs=quota_jobs, quota_workers=quota_workers))
+    try:
+        run_server(ServeOptions(host=host, port=port, db=db, address=address, num_cpus=num_cpus, no_ray=no_ray,
+                                dashboard=dashboard, quota_jobs=quota_jobs, quota_workers=quota_workers))
+    except PortInUseError as e:
+        typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1) from None
 
 
 @token_app.command("create")

@@ -139,3 +139,23 @@ def test_serve_token_file_cli_and_restart(served: Served, tmp_path: Path) -> Non
     assert r.exit_code == 1 and "no job" in r.output
     r = runner.invoke(app, ["list"], env={"UNBROKEN_TOKEN": "ubk_wrong"})
     assert r.exit_code == 1 and "not valid" in r.output
+
+
+def test_second_serve_on_a_busy_port_writes_nothing_and_says_why(served: Served, tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    before = (token_file.read_bytes(), token_file.stat().st_mtime_ns)
+    other_home = tmp_path / "other"
+    for home in (tmp_path, other_home):  # the same home (its token file), and a fresh one
+        env = {**os.environ, "UNBROKEN_HOME": str(home)}
+        out = subprocess.run(
+            [sys.executable, "-c", "from api.cli import main; main()", "serve", "--no-ray", "--port", str(served.port)],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+        )
+        assert out.returncode == 1, out.stdout + out.stderr
+        assert f"port {served.port} on 127.0.0.1 is already in use" in out.stderr and "--port" in out.stderr
+        assert "Traceback" not in out.stderr, out.stderr
+    assert (token_file.read_bytes(), token_file.stat().st_mtime_ns) == before
+    assert not other_home.exists() or not any(other_home.iterdir())  # no store, no token file
+    # The first server still answers with its token.
+    token = json.loads(before[0])["token"]
+    assert httpx.get(f"{served.url}/v1/jobs", headers={"Authorization": f"Bearer {token}"}).status_code == 200

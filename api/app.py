@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.deps import ApiError, AppState
-from api.routers import health, jobs, metrics, plan
+from api.routers import cluster, health, jobs, metrics, plan, ui
 from service.store import JobStore
 
 log = logging.getLogger(__name__)
@@ -147,6 +147,8 @@ def create_app(
     app.include_router(plan.router)
     app.include_router(health.router)
     app.include_router(metrics.router)
+    app.include_router(cluster.router)
+    ui.install(app, state)
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _request_validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)

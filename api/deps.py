@@ -6,8 +6,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Depends, Request
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import APIKeyCookie, HTTPAuthorizationCredentials, HTTPBearer
 
+from api.ui.sessions import COOKIE, CSRF_HEADER, Session, Sessions, csrf_problem
 from service.auth import Principal
 from service.store import JobRecord, JobStore
 
@@ -52,14 +53,40 @@ def get_state(request: Request) -> AppState:
 
 
 bearer = HTTPBearer(auto_error=False, description="a token from `unbroken serve` (~/.unbroken/token)")
+session_cookie = APIKeyCookie(
+    name=COOKIE, auto_error=False,
+    description=f"the web console's session (log in at /ui/login); changes also need the {CSRF_HEADER} header",
+)
+
+
+def session_principal(state: AppState, session_id: str | None) -> tuple[Session, Principal] | None:
+    """The console session behind a cookie and whom it acts for; None if ended or its token revoked."""
+    sessions: Sessions | None = state.extra.get("sessions")
+    sess = sessions.get(session_id) if sessions is not None else None
+    if sess is None:
+        return None
+    principal = state.store.principal_for_token(sess.token)
+    return None if principal is None else (sess, principal)
 
 
 def current_principal(
     request: Request,
     creds: HTTPAuthorizationCredentials | None = Depends(bearer),
+    session_id: str | None = Depends(session_cookie),
     state: AppState = Depends(get_state),
 ) -> Principal:
     challenge = {"WWW-Authenticate": "Bearer"}
+    if (creds is None or not creds.credentials) and session_id:
+        found = session_principal(state, session_id)
+        if found is None:
+            raise ApiError(401, "unauthorized", "the console session has ended (logged out, expired or its token "
+                           "revoked); log in again at /ui/login", headers=challenge)
+        sess, principal = found
+        why = csrf_problem(request, sess, request.headers.get(CSRF_HEADER))
+        if why is not None:
+            raise ApiError(403, "forbidden", why, [(CSRF_HEADER, why)])
+        request.state.principal = principal
+        return principal
     if creds is None or not creds.credentials:
         raise ApiError(
             401, "unauthorized",

@@ -9,7 +9,8 @@ interleaved schedules, "v" placement (rank r holds r and 2·pp−1−r) for ZBV.
 Schedules: gpipe, 1f1b (one stage per rank), interleaved_1f1b, zero_bubble
 (ScheduleInterleavedZeroBubble), zbv (ScheduleZBVZeroBubble). Stages under FSDP must use
 `reshard_after_forward=False`: the zero-bubble schedules give silently wrong gradients otherwise
-(measured on torch 2.13; see NOTES.md).
+(measured on torch 2.13; see NOTES.md). Whether a pipeline layout can run is the layout authority's
+to say (parallel/dims.py).
 """
 
 from __future__ import annotations
@@ -23,53 +24,39 @@ import torch
 from torch import nn
 
 from parallel.config import ModelConfig, ParallelConfig
+from parallel.dims import (
+    SINGLE_STAGE_SCHEDULES,
+    LayoutProblem,
+    ParallelDimsError,
+    microbatch_problems,
+    schedule_problems,
+    stage_split_problems,
+)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
-_SINGLE_STAGE = ("gpipe", "1f1b")
 
 
-class PipelineConfigError(ValueError):
-    """A pipeline layout that cannot run; the message names the field and the fix."""
+class PipelineConfigError(ParallelDimsError):
+    """A pipeline layout that cannot run; its problems name the field and the fix."""
+
+
+def _raise_if(problems: list[LayoutProblem]) -> None:
+    if problems:
+        raise PipelineConfigError(problems)
 
 
 def num_virtual_stages(p: ParallelConfig) -> int:
     """Stages per rank: 1 for gpipe/1f1b, pp_stages_per_rank (>= 2) for the others."""
-    if p.pp_schedule in _SINGLE_STAGE:
-        if p.pp_stages_per_rank != 1:
-            raise PipelineConfigError(
-                f"parallelism.pp_schedule={p.pp_schedule} runs one stage per rank but "
-                f"pp_stages_per_rank={p.pp_stages_per_rank}; set it to 1 or use interleaved_1f1b"
-            )
-        return 1
-    if p.pp_schedule == "zbv" and p.pp_stages_per_rank != 2:
-        raise PipelineConfigError("parallelism.pp_schedule=zbv needs pp_stages_per_rank: 2")
-    if p.pp_stages_per_rank < 2:
-        raise PipelineConfigError(
-            f"parallelism.pp_schedule={p.pp_schedule} interleaves stages and needs pp_stages_per_rank >= 2"
-        )
+    _raise_if(schedule_problems(p.pp_schedule, max(p.pp, 2), p.pp_stages_per_rank))
     return p.pp_stages_per_rank
 
 
 def layers_per_stage(n_layers: int, n_stages: int, split: list[int] | None = None) -> list[int]:
     """The number of layers of each stage: `split` if given, else as even as possible
     (the earlier stages take the remainder; the last stage also carries the output)."""
+    _raise_if(stage_split_problems(n_layers, n_stages, split))
     if split is not None:
-        if len(split) != n_stages:
-            raise PipelineConfigError(
-                f"parallelism.pp_split has {len(split)} entries but there are {n_stages} stages "
-                f"(pp × pp_stages_per_rank); give one layer count per stage"
-            )
-        if any(n < 1 for n in split):
-            raise PipelineConfigError(f"parallelism.pp_split={split}: every stage needs at least one layer")
-        if sum(split) != n_layers:
-            raise PipelineConfigError(
-                f"parallelism.pp_split={split} sums to {sum(split)} but model.n_layers={n_layers}; make them equal"
-            )
         return list(split)
-    if n_layers < n_stages:
-        raise PipelineConfigError(
-            f"model.n_layers={n_layers} is fewer than the {n_stages} pipeline stages; lower pp or pp_stages_per_rank"
-        )
     base, extra = divmod(n_layers, n_stages)
     return [base + (1 if s < extra else 0) for s in range(n_stages)]
 
@@ -105,7 +92,7 @@ def bubble_fraction(schedule: str, pp: int, microbatches: int, stages_per_rank: 
     """
     if pp <= 1:
         return 0.0
-    if schedule in _SINGLE_STAGE:
+    if schedule in SINGLE_STAGE_SCHEDULES:
         return (pp - 1) / microbatches
     return (pp - 1) / (stages_per_rank * microbatches)
 
@@ -175,14 +162,8 @@ def build_schedule(
         ScheduleZBVZeroBubble,
     )
 
+    _raise_if(microbatch_problems(p.pp, p.pp_microbatches, local_batch_size))
     m = p.pp_microbatches or p.pp
-    if m < p.pp:
-        raise PipelineConfigError(f"parallelism.pp_microbatches={m} must be >= pp={p.pp}")
-    if local_batch_size % m:
-        raise PipelineConfigError(
-            f"the per-rank batch of {local_batch_size} sequences does not split into "
-            f"parallelism.pp_microbatches={m} equal micro-batches; make global_batch_size/dp a multiple of it"
-        )
     stages = [PipelineStage(part, s, n_stages, device, group=pp_group) for part, s in zip(parts, ids, strict=True)]
     common: dict[str, Any] = {"n_microbatches": m, "loss_fn": loss_fn, "scale_grads": False}
     if p.pp_schedule == "gpipe":
@@ -196,7 +177,9 @@ def build_schedule(
     elif p.pp_schedule == "zbv":
         schedule = ScheduleZBVZeroBubble(stages, **common)
     else:  # the config's Literal keeps this unreachable; say so if it is reached anyway
-        raise PipelineConfigError(f"parallelism.pp_schedule={p.pp_schedule!r} is unknown; use one of {SCHEDULES}")
+        raise PipelineConfigError([LayoutProblem("parallelism.pp_schedule",
+                                                 f"parallelism.pp_schedule={p.pp_schedule!r} is unknown",
+                                                 f"use one of {SCHEDULES}")])
     return Pipeline(schedule=schedule, parts=parts, stage_ids=ids, n_stages=n_stages, microbatches=m)
 
 

@@ -7,7 +7,8 @@ resolved at submission, and the memory re-check of a smaller data-parallel degre
   layout that fits and that the job can also run at its smallest size (resources.dp.min), plus
   what to record in the job's `layout_chosen` event. Raises LayoutRefused naming the reasons.
 - `check_resize(spec, new_dp, cluster)`: why the job's layout cannot run at `new_dp` (empty: it
-  can); the supervisor calls it before shrinking or growing a group.
+  can); the supervisor calls it before shrinking or growing a group. The layout at `new_dp` is
+  parallel.dims.layout_at_dp, the one the worker forms.
 
 Pure arithmetic (no torch, no ray): the planner in parallel/planner and service.sizing.
 """
@@ -18,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from parallel.config import ParallelConfig
+from parallel.dims import layout_at_dp
 from parallel.planner.hardware import HARDWARE, Cluster, PlanError, make_cluster
 from parallel.planner.layout import Layout, layout_from_config
 from parallel.planner.search import Candidate, evaluate, plan
@@ -179,17 +180,6 @@ def cluster_for_job(
         return JobCluster(make_cluster(ranks, preset, nodes), f"{ranks} ranks: {why}")
     except PlanError as e:
         raise LayoutRefused([("nodes" if "node" in r else "gpus", r) for r in e.reasons]) from e
-
-
-def layout_at_dp(parallel: ParallelConfig, new_dp: int) -> ParallelConfig:
-    """The layout the runtime forms at data-parallel degree `new_dp` (as workers.worker.engine_for_dp:
-    HSDP keeps its replicate degree when it divides new_dp, else plain FSDP over new_dp)."""
-    data = parallel.model_dump()
-    if parallel.dp_replicate > 1 and new_dp % parallel.dp_replicate == 0:
-        data["dp_shard"] = new_dp // parallel.dp_replicate
-    else:
-        data["dp_replicate"], data["dp_shard"] = 1, new_dp
-    return ParallelConfig.model_validate(data)
 
 
 def check_resize(spec: Any, new_dp: int, cluster: Cluster) -> list[str]:

@@ -1,12 +1,15 @@
 """How many workers a job needs, and what each worker asks of the cluster.
 
 Pure arithmetic on a JobSpec (no torch, no ray), shared by the API's checks at submit time
-and the scheduler's gang admission.
+and the scheduler's gang admission. What a layout needs is the layout authority's
+(parallel/dims.py); this module asks it about the job's dp range.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from parallel import dims
 
 # Ray's resource names for the two built-in kinds.
 CPU = "CPU"
@@ -14,9 +17,8 @@ GPU = "GPU"
 
 
 def model_parallel_size(spec: Any) -> int:
-    """Workers per data-parallel replica: tp × pp × cp (ep lives inside dp×cp, it adds no ranks)."""
-    p = spec.parallelism
-    return int(p.tp * p.pp * p.cp)
+    """Workers per data-parallel replica (parallel.dims.model_parallel_size: tp × pp × cp)."""
+    return dims.model_parallel_size(spec.parallelism)
 
 
 def dp_range(spec: Any) -> tuple[int, int | None]:
@@ -73,73 +75,36 @@ def fits(demand: dict[str, float], free: dict[str, float]) -> bool:
 
 
 def layout_problems(spec: Any, cluster_total: dict[str, float] | None = None) -> list[tuple[str, str]]:
-    """Every reason the job's layout cannot run, as (field, message naming the fix): the model
-    checks below (the engine's own ParallelDims checks are stricter; see service.validation),
-    the dp range, and (when `cluster_total` is given) that the minimum gang fits the cluster."""
-    if spec.parallelism.auto:
-        return cluster_problems(spec, cluster_total)
-    return model_layout_problems(spec) + dp_problems(spec) + cluster_problems(spec, cluster_total)
+    """Every reason the job's layout cannot run, as (field, message naming the fix): the layout
+    authority's rules at the smallest and largest dp the job may run at, its dp range, and (when
+    `cluster_total` is given) that the minimum gang fits the cluster."""
+    layout = [] if spec.parallelism.auto else model_layout_problems(spec)  # auto: the planner's to choose
+    return layout + dp_problems(spec) + cluster_problems(spec, cluster_total)
 
 
 def model_layout_problems(spec: Any) -> list[tuple[str, str]]:
-    """Sizes that must divide the model: tp | heads, pp stages <= layers, cp | seq_len, ep | experts."""
+    """The layout (parallel.dims.layout_at_dp) at resources.dp.min and at its max, judged by the layout
+    authority; a problem found at one of them only says at which dp."""
+    p = spec.parallelism
+    dp_min, dp_max = dp_range(spec)
+    found = {
+        dp: dims.layout_problems(dims.layout_at_dp(p, dp), spec.model, spec.training, dp * model_parallel_size(spec))
+        for dp in sorted({dp_min, dp_max or dp_min})
+    }
     problems: list[tuple[str, str]] = []
-    m, p, t = spec.model, spec.parallelism, spec.training
-    if m.n_heads % p.tp:
-        problems.append(("parallelism.tp", f"tp={p.tp} does not divide model.n_heads={m.n_heads}; pick a divisor"))
-    elif m.kv_heads % p.tp:
-        problems.append(
-            ("parallelism.tp", f"tp={p.tp} does not divide model.n_kv_heads={m.kv_heads}; pick a divisor")
-        )
-    stages = p.pp * p.pp_stages_per_rank
-    if p.pp > 1 and stages > m.n_layers:
-        problems.append(
-            ("parallelism.pp", f"pp×stages_per_rank={stages} exceeds model.n_layers={m.n_layers}; lower pp")
-        )
-    if p.pp_split is not None:
-        if len(p.pp_split) != stages:
-            problems.append(("parallelism.pp_split", f"has {len(p.pp_split)} entries; it needs {stages}"))
-        elif sum(p.pp_split) != m.n_layers:
-            problems.append(
-                ("parallelism.pp_split", f"sums to {sum(p.pp_split)}; it must sum to model.n_layers={m.n_layers}")
-            )
-    if p.cp > 1 and t.seq_len % p.cp:
-        problems.append(
-            ("parallelism.cp", f"cp={p.cp} does not divide training.seq_len={t.seq_len}; pick a divisor")
-        )
-    if t.seq_len > m.max_seq_len:
-        problems.append(("training.seq_len", f"{t.seq_len} exceeds model.max_seq_len={m.max_seq_len}"))
-    if m.moe is not None and p.ep > 1 and m.moe.num_experts % p.ep:
-        problems.append(
-            ("parallelism.ep", f"ep={p.ep} does not divide model.moe.num_experts={m.moe.num_experts}")
-        )
+    for dp, here in found.items():
+        for x in here:
+            everywhere = all(x in other for other in found.values())
+            item = (x.field, str(x) if everywhere else f"at dp={dp}: {x}")
+            if item not in problems:
+                problems.append(item)
     return problems
 
 
 def dp_problems(spec: Any) -> list[tuple[str, str]]:
-    """resources.dp against the parallelism section."""
-    problems: list[tuple[str, str]] = []
-    p = spec.parallelism
+    """resources.dp against the parallelism section (parallel.dims.dp_range_problems)."""
     dp_min, _ = dp_range(spec)
-    if p.dp_shard > 0:
-        dp_fixed = p.dp_replicate * p.dp_shard
-        if spec.resources.dp.max is not None and spec.resources.dp.max > dp_fixed:
-            problems.append(
-                (
-                    "resources.dp.max",
-                    f"{spec.resources.dp.max} exceeds the parallelism's dp_replicate×dp_shard={dp_fixed}; "
-                    "lower it or set parallelism.dp_shard: -1",
-                )
-            )
-        if dp_min > dp_fixed:
-            problems.append(
-                ("resources.dp.min", f"{dp_min} exceeds the parallelism's dp_replicate×dp_shard={dp_fixed}")
-            )
-    if p.dp_replicate > 1 and dp_min % p.dp_replicate:
-        problems.append(
-            ("resources.dp.min", f"{dp_min} is not a multiple of parallelism.dp_replicate={p.dp_replicate}")
-        )
-    return problems
+    return [x.pair() for x in dims.dp_range_problems(spec.parallelism, dp_min, spec.resources.dp.max)]
 
 
 def cluster_problems(spec: Any, cluster_total: dict[str, float] | None) -> list[tuple[str, str]]:

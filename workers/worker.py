@@ -298,17 +298,10 @@ def device_is_cuda() -> bool:
 
 
 def engine_for_dp(cfg: Any, dp: int) -> Any:
-    """The engine config at data-parallel degree `dp` (tp/pp/cp/ep unchanged).
+    """The engine config at data-parallel degree `dp`: its layout is parallel.dims.layout_at_dp's."""
+    from parallel.dims import layout_at_dp
 
-    HSDP keeps its replicate degree when it divides dp; otherwise the job runs plain FSDP over dp.
-    """
-    out = cfg.model_copy(deep=True)
-    p = out.parallelism
-    if p.dp_replicate > 1 and dp % p.dp_replicate == 0:
-        p.dp_shard = dp // p.dp_replicate
-    else:
-        p.dp_replicate, p.dp_shard = 1, dp
-    return out
+    return cfg.model_copy(update={"parallelism": layout_at_dp(cfg.parallelism, dp)}, deep=True)
 
 
 def _is_collective_error(e: BaseException) -> bool:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from parallel.config import EngineConfig, ModelConfig, ParallelConfig, TrainConfig
+from parallel.dims import ep_problems, stages_per_rank
 from parallel.planner.hardware import Cluster, PlanError
 from parallel.planner.layout import (
     Layout,
@@ -129,7 +130,7 @@ def enumerate_layouts(model: ModelConfig, world: int, cluster: Cluster, base: Pa
                         continue
                     eps = [1]
                     if model.moe is not None:
-                        eps = [e for e in _divisors(model.moe.num_experts) if (shard * cp) % e == 0 and e % cp == 0]
+                        eps = [e for e in _divisors(model.moe.num_experts) if not ep_problems(shard, cp, e)]
                     if "ep" in fixed:
                         eps = [fixed["ep"]]
                     for ep in eps:
@@ -137,16 +138,9 @@ def enumerate_layouts(model: ModelConfig, world: int, cluster: Cluster, base: Pa
                             dp_replicate=rep, dp_shard=shard, cp=cp, tp=tp, pp=pp, ep=ep,
                             zero_stage=base.zero_stage, pp_schedule=base.pp_schedule,
                             pp_microbatches=base.pp_microbatches if pp > 1 else None,
-                            pp_stages_per_rank=_stages_per_rank(base, pp),
+                            pp_stages_per_rank=stages_per_rank(base.pp_schedule, pp, base.pp_stages_per_rank),
                             sequence_parallel=base.sequence_parallel, cpu_offload=base.cpu_offload,
                         )
-
-
-def _stages_per_rank(base: ParallelConfig, pp: int) -> int:
-    v = base.pp_stages_per_rank
-    if pp > 1 and base.pp_schedule in ("interleaved_1f1b", "zero_bubble", "zbv"):
-        v = max(v, 2)
-    return v
 
 
 def evaluate(model: ModelConfig, train: TrainConfig, layout: Layout, cluster: Cluster, *,

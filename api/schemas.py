@@ -22,6 +22,14 @@ class Progress(BaseModel):
     recoveries: int = 0
 
 
+class RunEstimate(BaseModel):
+    """The planner's estimate of a job's run time on this cluster (a model, not a measurement)."""
+
+    step_time_s: float
+    duration_s: float = Field(description="step_time_s x training.steps, at the job's largest size here")
+    basis: str = Field(description="which layout on which cluster the planner timed")
+
+
 class Job(BaseModel):
     id: str
     name: str
@@ -39,6 +47,9 @@ class Job(BaseModel):
     cancel_requested: bool = False
     progress: Progress
     spec: dict[str, Any] | None = Field(None, description="the job spec, secrets masked (absent in lists)")
+    estimate: RunEstimate | None = Field(None, description="in the submit answer only: how long it would run")
+    warnings: list[str] = Field(default_factory=list, description="in the submit answer only: what may be "
+                                "unintended (also recorded as `warning` events)")
 
     @property
     def terminal(self) -> bool:

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from checkpointing.config import CheckpointConfig
 from parallel.config import EngineConfig, format_validation_error
@@ -80,6 +81,45 @@ class ChaosEvent(_Strict):
     generation: int = Field(0, ge=0, description="fire only in this generation, so it fires once")
 
 
+# A fault that stops its worker (or hangs it): nothing later at the same rank, step and generation fires.
+_FATAL_KINDS = frozenset({"kill_worker", "sigkill_worker", "hang_worker", "kill_node", "raise_in_step"})
+
+
+def chaos_spec_problems(chaos: list[ChaosEvent], steps: int) -> list[tuple[tuple[int | str, ...], str, Any]]:
+    """(location under chaos, message, bad value) for each event that can never fire, whatever the
+    cluster: a worker checks its faults before each of its steps 0..steps-1 (workers.chaos), once each."""
+    out: list[tuple[tuple[int | str, ...], str, Any]] = []
+    first_at: dict[tuple[int, int, int], int] = {}
+    for i, ev in enumerate(chaos):
+        what = f"{ev.kind} at step {ev.step} on rank {ev.rank}"
+        if ev.step >= steps:
+            out.append(((i, "step"), f"{what} never fires: an event fires when its rank has completed `step` "
+                        f"steps, and this job stops at training.steps={steps}; pick a step below {steps}", ev.step))
+            continue
+        if ev.kind == "slow_worker" and ev.seconds == 0:
+            out.append(((i, "seconds"), f"{what} with seconds: 0 slows nothing; set seconds above 0",
+                        ev.seconds))
+        at = (ev.rank, ev.step, ev.generation)
+        j = first_at.get(at)
+        if j is None:
+            first_at[at] = i
+        elif chaos[j] == ev or chaos[j].kind in _FATAL_KINDS:
+            why = "is the same event" if chaos[j] == ev else f"({chaos[j].kind}) stops that worker first"
+            out.append(((i,), f"{what} (generation {ev.generation}) never fires: chaos.{j} {why}; "
+                        "move it to another step or rank, or drop it", ev.model_dump()))
+    return out
+
+
+def chaos_rank_problems(chaos: list[ChaosEvent], max_world: int, why: str) -> list[tuple[str, str]]:
+    """(field, message) for each event at a rank the job never has: ranks run 0..max_world-1, where
+    `why` says where that bound comes from (the dp range, or the whole cluster)."""
+    return [
+        (f"chaos.{i}.rank", f"{ev.kind} at step {ev.step} on rank {ev.rank} never fires: this job has at most "
+                            f"{max_world} workers ({why}), ranks 0..{max_world - 1}; pick a rank below {max_world}")
+        for i, ev in enumerate(chaos) if ev.rank >= max_world
+    ]
+
+
 class RuntimeEnv(_Strict):
     env_vars: dict[str, str] = Field(default_factory=dict)
     secret_env_vars: dict[str, SecretStr] = Field(default_factory=dict, description="never returned or logged")
@@ -95,6 +135,19 @@ class JobSpec(EngineConfig):
     chaos: list[ChaosEvent] = Field(default_factory=list)
     runtime_env: RuntimeEnv = Field(default_factory=RuntimeEnv)
     tensorboard: bool = False
+
+    @model_validator(mode="after")
+    def _chaos_can_fire(self) -> JobSpec:
+        """Chaos events that could never fire are refused, each at its own field (chaos.N.step, ...).
+        The rank's bound depends on the layout and the cluster: see service.validation."""
+        errors = [
+            InitErrorDetails(type=PydanticCustomError("chaos_never_fires", "{message}", {"message": msg}),
+                             loc=("chaos", *where), input=value)
+            for where, msg, value in chaos_spec_problems(self.chaos, self.training.steps)
+        ]
+        if errors:
+            raise ValidationError.from_exception_data(type(self).__name__, errors)
+        return self
 
     def public_dict(self) -> dict[str, Any]:
         """The spec as the API returns it: secrets masked."""

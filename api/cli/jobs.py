@@ -85,6 +85,13 @@ def submit(
     with _client(url, token) as c:
         job = _run(lambda: c.submit(job_file, idempotency_key=idempotency_key))
         typer.echo(job.id)
+        if job.estimate is not None:
+            from service.estimate import human_duration
+
+            typer.echo(f"estimate: ~{human_duration(job.estimate.duration_s)} "
+                       f"(~{job.estimate.step_time_s:.3g} s a step: {job.estimate.basis})", err=True)
+        for text in job.warnings:
+            typer.secho(f"warning: {text}", fg=typer.colors.YELLOW, err=True)
         if not wait:
             return
         final = _run(lambda: _watch(c, job.id))

@@ -18,6 +18,7 @@ from api import schemas
 from api.deps import ApiError, AppState, current_principal, get_state, visible_job
 from service import sizing
 from service.auth import Principal
+from service.estimate import estimate_run, long_job_warnings
 from service.spec import JobSpec
 from service.store import (
     CANCELLED,
@@ -174,15 +175,22 @@ async def submit_job(
         )
     except IdempotencyConflictError as e:
         raise ApiError(409, "conflict", str(e), [("Idempotency-Key", "reused with a different spec")]) from e
+    estimate = await run_in_threadpool(estimate_run, spec, cluster_view(state), auto.candidate if auto else None)
+    warnings = long_job_warnings(spec, estimate)
     if created and auto is not None:
         await run_in_threadpool(state.store.add_event, rec.id, "layout_chosen", auto.event_message(),
                                 auto.event_data())
+    for text in warnings if created else []:
+        await run_in_threadpool(state.store.add_event, rec.id, "warning", text,
+                                {"estimate": estimate.to_dict() if estimate else None})
     if created and state.scheduler is not None:
         state.scheduler.notify()
     headers = {"Location": f"/v1/jobs/{rec.id}"}
     if not created:
         headers["Idempotent-Replayed"] = "true"
-    return JSONResponse(job_out(rec).model_dump(mode="json"), status_code=201 if created else 200, headers=headers)
+    body = job_out(rec).model_copy(update={
+        "estimate": schemas.RunEstimate(**estimate.to_dict()) if estimate else None, "warnings": warnings})
+    return JSONResponse(body.model_dump(mode="json"), status_code=201 if created else 200, headers=headers)
 
 
 @router.get("/jobs", response_model=schemas.JobList, responses=ERRORS, summary="List jobs, newest first")

@@ -10,7 +10,7 @@ Schedules: gpipe, 1f1b (one stage per rank), interleaved_1f1b, zero_bubble
 (ScheduleInterleavedZeroBubble), zbv (ScheduleZBVZeroBubble). Stages under FSDP must use
 `reshard_after_forward=False`: the zero-bubble schedules give silently wrong gradients otherwise
 (measured on torch 2.13; see NOTES.md). Whether a pipeline layout can run is the layout authority's
-to say (parallel/dims.py).
+to say (parallel/dims.py); the bubble of each schedule is the planner's (parallel/planner/timing.py).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from torch import nn
 
 from parallel.config import ModelConfig, ParallelConfig
 from parallel.dims import (
-    SINGLE_STAGE_SCHEDULES,
     LayoutProblem,
     ParallelDimsError,
     microbatch_problems,
@@ -82,19 +81,6 @@ def split_stage(model: nn.Module, stage: int, counts: list[int]) -> nn.Module:
         part.norm = None
         part.output = None
     return part
-
-
-def bubble_fraction(schedule: str, pp: int, microbatches: int, stages_per_rank: int = 1) -> float:
-    """Theoretical idle fraction of a step: (p−1)/m for gpipe/1f1b, (p−1)/(v·m) interleaved.
-
-    For the zero-bubble schedules this is the interleaved bound; by moving weight-gradient
-    work into the bubbles they come in below it.
-    """
-    if pp <= 1:
-        return 0.0
-    if schedule in SINGLE_STAGE_SCHEDULES:
-        return (pp - 1) / microbatches
-    return (pp - 1) / (stages_per_rank * microbatches)
 
 
 @dataclass

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from parallel.config import ModelConfig, TrainConfig
+from parallel.dims import SINGLE_STAGE_SCHEDULES
 from parallel.planner.comm import CommTerm, estimate_comm
 from parallel.planner.flops import flops_per_token_term, recompute_flops_per_token
 from parallel.planner.hardware import Cluster
@@ -23,14 +24,25 @@ from parallel.planner.layout import Layout, batch_shape
 from parallel.planner.memory import rank_params
 from parallel.planner.terms import Term, fmt_time, g, total
 
+ZERO_BUBBLE_SCHEDULES = ("zero_bubble", "zbv")
+
 
 def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
+    """Idle time of a pipeline step over its compute (the one formula; parallel/pp.py has none).
+
+    (p−1)/m for gpipe/1f1b and (p−1)/(v·m) interleaved (Narayanan et al. 2021). The zero-bubble
+    schedules split the backward into input-gradient (B) and weight-gradient (W) work and put W in
+    the bubbles: ZB-H1's bubble is (p−1)(T_F+T_B−T_W) against 1F1B's (p−1)(T_F+T_B+T_W), a third of
+    it when T_F = T_B = T_W (Qi et al. 2023). torch's own schedule tables agree exactly: counting the
+    idle slots of ScheduleInterleavedZeroBubble and ScheduleZBVZeroBubble's `pipeline_order` (one
+    slot per F, B or W) gives (p−1)/(3·v·m) (tests/parallel/test_pipeline_bubble.py checks it).
+    """
     if p <= 1:
         return 0.0
-    if schedule in ("gpipe", "1f1b"):
+    if schedule in SINGLE_STAGE_SCHEDULES:
         return (p - 1) / m
     frac = (p - 1) / (v * m)
-    if schedule in ("zero_bubble", "zbv"):
+    if schedule in ZERO_BUBBLE_SCHEDULES:
         frac /= 3
     return frac
 
@@ -106,7 +118,7 @@ def estimate_time(model: ModelConfig, train: TrainConfig, layout: Layout, cluste
     bubble = Term("pipeline bubble", compute.value * frac, "compute × bubble fraction",
                   f"{fmt_time(compute.value)} × {frac:.3f}"
                   + (f" [(p−1)/(v·m) = {layout.pp - 1}/({layout.stages_per_rank}·{bs.n_micro})"
-                     + (" / 3" if layout.pp_schedule in ("zero_bubble", "zbv") else "") + "]"
+                     + (" / 3" if layout.pp_schedule in ZERO_BUBBLE_SCHEDULES else "") + "]"
                      if layout.pp > 1 else ""))
     comm = estimate_comm(model, train, layout, cluster)
     overlappable = sum(c.overlap * c.term.value for c in comm)

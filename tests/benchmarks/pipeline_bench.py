@@ -87,7 +87,7 @@ def single_process(micro: int) -> float:
 
 def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from parallel.pp import bubble_fraction
+    from parallel.planner.timing import bubble_fraction
     from tests.parallel.harness import launch
 
     tokens = JOB["training"]["global_batch_size"] * JOB["training"]["seq_len"]

@@ -15,10 +15,10 @@ import torch
 
 from parallel.config import ModelConfig, ParallelConfig
 from parallel.model import build_model
+from parallel.planner.timing import bubble_fraction
 from parallel.pp import (
     SCHEDULES,
     PipelineConfigError,
-    bubble_fraction,
     layers_per_stage,
     split_model,
     stage_ids,

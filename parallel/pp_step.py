@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from parallel.data.types import Batch
 from parallel.pp import Pipeline, apply_pp
 
 
@@ -79,13 +80,13 @@ def build_pipeline(
     return pipe, StageView(pipe.parts)
 
 
-def pipeline_step(pipe: Pipeline, micro: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
+def pipeline_step(pipe: Pipeline, micro: list[Batch], device: torch.device,
                   pp_group: dist.ProcessGroup, cp_rank: int = 0, cp: int = 1) -> torch.Tensor:
     """One step over this dp rank's rows (all its micro-batches joined: the schedule re-cuts
     them into pp_microbatches), each sequence cut to this rank's zigzag shard when cp > 1.
     Returns the sum of what the loss function returned, on every pp rank."""
-    inputs = torch.cat([x for x, _ in micro])
-    targets = torch.cat([y for _, y in micro])
+    inputs = torch.cat([b.inputs for b in micro])
+    targets = torch.cat([b.targets for b in micro])
     if cp > 1:
         from parallel.cp import shard_sequence
 

@@ -178,7 +178,8 @@ class Trainer:
                 loss_sum += pipeline_step(self.pipeline, micro, self.device, pp_group, cp_rank, self.dims.cp)
             loss_sum /= self._grad_scale
             micro = []
-        for i, (inputs, targets) in enumerate(micro):
+        for i, batch in enumerate(micro):
+            inputs, targets = batch.inputs, batch.targets
             if toggle:
                 self.model.set_requires_gradient_sync(i == len(micro) - 1)
             positions = None

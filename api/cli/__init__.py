@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import typer
 
-from api.cli import checkpoints, engine, jobs, plan, run, serve
+from api.cli import checkpoints, data, engine, jobs, plan, run, serve
 
 app = typer.Typer(
     name="unbroken",
@@ -28,7 +28,7 @@ def version() -> None:
     typer.echo(pkg_version("unbroken"))
 
 
-for module in (engine, run, serve, jobs, plan, checkpoints):
+for module in (engine, run, serve, jobs, plan, checkpoints, data):
     module.register(app)
 
 

@@ -21,7 +21,8 @@ def real_rows(dl: DataLoader, step: int, dp: int) -> torch.Tensor:
     """Concatenate every dp rank's real (non-padding) rows in rank order."""
     rows = []
     for r in range(dp):
-        for inputs, targets in dl.micro_batches(step, r, dp):
+        for b in dl.micro_batches(step, r, dp):
+            inputs, targets = b.inputs, b.targets
             keep = (targets != IGNORE_INDEX).all(dim=1)
             assert ((targets == IGNORE_INDEX).all(dim=1) | keep).all(), "a row is either real or padding"
             rows.append(torch.cat([inputs[keep], targets[keep][:, -1:]], dim=1))
@@ -30,13 +31,14 @@ def real_rows(dl: DataLoader, step: int, dp: int) -> torch.Tensor:
 
 def test_same_seed_and_step_same_batch_in_a_new_loader() -> None:
     a, b = loader().global_batch(5), loader().global_batch(5)
-    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-    assert not torch.equal(loader().global_batch(6)[0], a[0])
-    assert not torch.equal(loader(DataConfig(seed=1)).global_batch(5)[0], a[0])
+    assert torch.equal(a.inputs, b.inputs) and torch.equal(a.targets, b.targets)
+    assert not torch.equal(loader().global_batch(6).inputs, a.inputs)
+    assert not torch.equal(loader(DataConfig(seed=1)).global_batch(5).inputs, a.inputs)
 
 
 def test_targets_are_inputs_shifted() -> None:
-    inputs, targets = loader().global_batch(0)
+    batch = loader().global_batch(0)
+    inputs, targets = batch.inputs, batch.targets
     assert torch.equal(inputs[:, 1:], targets[:, :-1])
 
 
@@ -44,7 +46,8 @@ def test_targets_are_inputs_shifted() -> None:
 @pytest.mark.parametrize("micro", [None, 1, 2])
 def test_dp_slices_cover_the_global_batch_in_order(dp: int, micro: int | None) -> None:
     dl = loader(micro=micro)
-    inputs, targets = dl.global_batch(3)
+    batch = dl.global_batch(3)
+    inputs, targets = batch.inputs, batch.targets
     expected = torch.cat([inputs, targets[:, -1:]], dim=1)
     assert torch.equal(real_rows(dl, 3, dp), expected)
     counts = {len(dl.micro_batches(3, r, dp)) for r in range(dp)}
@@ -53,7 +56,8 @@ def test_dp_slices_cover_the_global_batch_in_order(dp: int, micro: int | None) -
 
 def test_padding_rows_weigh_nothing() -> None:
     dl = loader(batch=8)
-    (inputs, targets), = dl.micro_batches(0, 2, 3)  # share 3: rank 2 has rows 6, 7 and one pad
+    (batch,) = dl.micro_batches(0, 2, 3)  # share 3: rank 2 has rows 6, 7 and one pad
+    targets = batch.targets
     assert targets.shape == (3, 16)
     assert (targets[2] == IGNORE_INDEX).all() and (targets[:2] != IGNORE_INDEX).all()
 
@@ -67,20 +71,21 @@ def test_text_folder_byte_level(tmp_path: Path) -> None:
         (tmp_path / hidden).mkdir()
         (tmp_path / hidden / "x.txt").write_text("~" * 300)  # caches and packages: skipped
     dl = loader(DataConfig(kind="text", path=str(tmp_path)), batch=4, seq=16)
-    inputs, _ = dl.global_batch(0)
-    raw = (tmp_path / "a.txt").read_bytes() + b"\n" + (tmp_path / "b" / "c.py").read_bytes()
+    inputs = dl.global_batch(0).inputs
+    # Each file is one document, followed by the byte-level end-of-document id 0.
+    raw = (tmp_path / "a.txt").read_bytes() + b"\0" + (tmp_path / "b" / "c.py").read_bytes() + b"\0"
     assert 0xFE not in inputs.flatten().tolist() and ord("~") not in inputs.flatten().tolist()
     for row in inputs.tolist():  # every window is a real slice of the joined text
         assert bytes(row) in raw
-    assert torch.equal(dl.global_batch(7)[0], loader(DataConfig(kind="text", path=str(tmp_path)),
-                                                     batch=4, seq=16).global_batch(7)[0])
+    assert torch.equal(dl.global_batch(7).inputs, loader(DataConfig(kind="text", path=str(tmp_path)),
+                                                         batch=4, seq=16).global_batch(7).inputs)
 
 
 def test_windows_visit_every_window_once_per_epoch(tmp_path: Path) -> None:
     path = tmp_path / "ids.bin"
     np.arange(4 * 10 + 1, dtype=np.uint16).tofile(path)  # 10 windows of 4 (+1 for the last target)
     dl = loader(DataConfig(kind="tokens", path=str(path), token_dtype="uint16"), batch=5, seq=4, vocab=64)
-    starts = sorted(int(dl.global_batch(s)[0][j, 0]) for s in (0, 1) for j in range(5))
+    starts = sorted(int(dl.global_batch(s).inputs[j, 0]) for s in (0, 1) for j in range(5))
     assert starts == [4 * w for w in range(10)]
 
 

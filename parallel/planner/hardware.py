@@ -35,6 +35,28 @@ class PlanError(ValueError):
         super().__init__("; ".join(self.reasons))
 
 
+# Dense peak FLOP/s per device (no sparsity), by training dtype: bfloat16 from tensor cores, float32
+# the plain (non-TF32) FP32 rate, as the trainer runs fp32 matmuls in full precision. The one table:
+# the presets below and the engine's MFU (parallel/metrics.py) read it.
+PEAK_FLOPS: dict[str, dict[str, float]] = {
+    "h100": {"bfloat16": 989e12, "float32": 67e12},  # SXM, HBM3
+    "h100-pcie": {"bfloat16": 756e12, "float32": 51e12},
+    "h200": {"bfloat16": 989e12, "float32": 67e12},
+    "a100": {"bfloat16": 312e12, "float32": 19.5e12},
+    "cpu": {"bfloat16": 25e9, "float32": 100e9},  # this project's test machine, calibrated (see above)
+}
+# A CUDA device's name (torch.cuda.get_device_name) to its PEAK_FLOPS entry, most specific first.
+CUDA_NAMES = (("H100 PCIe", "h100-pcie"), ("H200", "h200"), ("H100", "h100"), ("A100", "a100"))
+
+
+def cuda_peak_flops(device_name: str, dtype: str) -> float | None:
+    """Peak FLOP/s of a CUDA device by its name, or None for a device not in the table."""
+    for needle, key in CUDA_NAMES:
+        if needle in device_name:
+            return PEAK_FLOPS[key].get(dtype)
+    return None
+
+
 @dataclass(frozen=True)
 class Hardware:
     name: str
@@ -63,25 +85,25 @@ class Hardware:
 HARDWARE: dict[str, Hardware] = {
     "h100": Hardware(
         name="h100", devices_per_node=8, mem_bytes=80 * GiB,
-        peak_flops={"bfloat16": 989e12, "float32": 67e12},
+        peak_flops=PEAK_FLOPS["h100"],
         intra_bw=450 * GB, inter_bw=50 * GB, mem_bw=3.35e12, host_mem_bytes=2048 * GiB,
         notes="H100 SXM5 80GB, NVLink 4 (900 GB/s bidirectional), 8x400 Gb/s NDR per node",
     ),
     "h200": Hardware(
         name="h200", devices_per_node=8, mem_bytes=141 * GiB,
-        peak_flops={"bfloat16": 989e12, "float32": 67e12},
+        peak_flops=PEAK_FLOPS["h200"],
         intra_bw=450 * GB, inter_bw=50 * GB, mem_bw=4.8e12, host_mem_bytes=2048 * GiB,
         notes="H200 SXM 141GB HBM3e, NVLink 4, 8x400 Gb/s NDR per node",
     ),
     "a100": Hardware(
         name="a100", devices_per_node=8, mem_bytes=80 * GiB,
-        peak_flops={"bfloat16": 312e12, "float32": 19.5e12},
+        peak_flops=PEAK_FLOPS["a100"],
         intra_bw=300 * GB, inter_bw=25 * GB, mem_bw=2.0e12, host_mem_bytes=1024 * GiB,
         notes="A100 SXM4 80GB, NVLink 3 (600 GB/s bidirectional), 8x200 Gb/s HDR per node",
     ),
     "cpu": Hardware(
         name="cpu", devices_per_node=2, mem_bytes=None,
-        peak_flops={"bfloat16": 25e9, "float32": 100e9},
+        peak_flops=PEAK_FLOPS["cpu"],
         intra_bw=1.2 * GiB, inter_bw=0.5 * GB, mem_bw=10 * GB, host_mem_bytes=24 * GiB,
         collective_efficiency={"all_gather": 0.1, "reduce_scatter": 0.1, "all_to_all": 0.25},
         intra_latency_s=1e-3, inter_latency_s=2e-3, mfu=0.35,

@@ -102,3 +102,13 @@ def test_collective_volumes() -> None:
     psi = 1e9
     fsdp = 2 * all_gather_volume(psi, 8) + reduce_scatter_volume(psi, 8)
     assert fsdp / all_reduce_volume(psi, 8) == pytest.approx(1.5)
+
+
+def test_one_peak_flops_table_for_the_planner_and_the_engines_mfu() -> None:
+    from parallel.planner.hardware import HARDWARE, PEAK_FLOPS, cuda_peak_flops
+
+    assert all(HARDWARE[k].peak_flops is PEAK_FLOPS[k] for k in HARDWARE)
+    assert cuda_peak_flops("NVIDIA H100 80GB HBM3", "bfloat16") == HARDWARE["h100"].peak_flops["bfloat16"]
+    assert cuda_peak_flops("NVIDIA H100 PCIe", "bfloat16") == 756e12  # before the SXM entry it contains
+    assert cuda_peak_flops("NVIDIA H200", "float32") == HARDWARE["h200"].peak_flops["float32"]
+    assert cuda_peak_flops("NVIDIA GeForce RTX 4090", "bfloat16") is None

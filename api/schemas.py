@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-JobStatus = Literal["PENDING", "RUNNING", "RECOVERING", "SUCCEEDED", "FAILED", "CANCELLED"]
+from service.statuses import TERMINAL, JobStatus
 
 
 class Progress(BaseModel):
@@ -53,7 +53,7 @@ class Job(BaseModel):
 
     @property
     def terminal(self) -> bool:
-        return self.status in ("SUCCEEDED", "FAILED", "CANCELLED")
+        return self.status in TERMINAL
 
 
 class JobList(BaseModel):

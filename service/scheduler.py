@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from service import sizing
-from service.store import CANCELLED, FAILED, PENDING, JobRecord, JobStore
+from service.statuses import CANCELLED, FAILED, PENDING
+from service.store import JobRecord, JobStore
 
 log = logging.getLogger(__name__)
 

@@ -150,8 +150,25 @@ class JobSpec(EngineConfig):
         return self
 
     def public_dict(self) -> dict[str, Any]:
-        """The spec as the API returns it: secrets masked."""
+        """The spec as the API returns it: secrets masked (the one masker; reveal_secrets undoes it)."""
         return json.loads(self.model_dump_json())  # SecretStr dumps as '**********'
+
+
+def reveal_secrets(value: Any) -> Any:
+    """A python-mode dump (model_dump(mode="python")) with its SecretStr values revealed: what goes to
+    the server (the SDK) and to the job's workers (the supervisor), never what the API returns."""
+    if isinstance(value, SecretStr):
+        return value.get_secret_value()
+    if isinstance(value, dict):
+        return {k: reveal_secrets(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [reveal_secrets(v) for v in value]
+    return value
+
+
+def spec_to_private_json(spec: BaseModel) -> str:
+    """A spec (or one of its sections) as JSON with secret values revealed: what the supervisor needs."""
+    return json.dumps(reveal_secrets(spec.model_dump(mode="python")), sort_keys=True, default=str)
 
 
 class SpecError(ValueError):

@@ -5,7 +5,7 @@
 
 A transition that is not in the table raises IllegalTransition: a bug in the supervisor shows at
 once instead of as a job in an impossible state. `store_status` maps a state to the job store's
-coarser statuses (PENDING, RUNNING, RECOVERING, SUCCEEDED, FAILED, CANCELLED).
+coarser statuses (service/statuses.py: PENDING, RUNNING, RECOVERING, SUCCEEDED, FAILED, CANCELLED).
 """
 
 from __future__ import annotations
@@ -15,16 +15,18 @@ import time
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from service import statuses
+
 
 class JobState(StrEnum):
     STARTING = "STARTING"
-    RUNNING = "RUNNING"
-    RECOVERING = "RECOVERING"
+    RUNNING = statuses.RUNNING
+    RECOVERING = statuses.RECOVERING
     RESIZING = "RESIZING"
     FINISHING = "FINISHING"
-    SUCCEEDED = "SUCCEEDED"
-    FAILED = "FAILED"
-    CANCELLED = "CANCELLED"
+    SUCCEEDED = statuses.SUCCEEDED
+    FAILED = statuses.FAILED
+    CANCELLED = statuses.CANCELLED
 
 
 TERMINAL = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
@@ -42,14 +44,14 @@ ALLOWED: dict[JobState, frozenset[JobState]] = {
 
 # The job store's statuses: a resize or the last collective is still "running" to a user.
 STORE_STATUS: dict[JobState, str] = {
-    JobState.STARTING: "RUNNING",
-    JobState.RUNNING: "RUNNING",
-    JobState.RECOVERING: "RECOVERING",
-    JobState.RESIZING: "RUNNING",
-    JobState.FINISHING: "RUNNING",
-    JobState.SUCCEEDED: "SUCCEEDED",
-    JobState.FAILED: "FAILED",
-    JobState.CANCELLED: "CANCELLED",
+    JobState.STARTING: statuses.RUNNING,
+    JobState.RUNNING: statuses.RUNNING,
+    JobState.RECOVERING: statuses.RECOVERING,
+    JobState.RESIZING: statuses.RUNNING,
+    JobState.FINISHING: statuses.RUNNING,
+    JobState.SUCCEEDED: statuses.SUCCEEDED,
+    JobState.FAILED: statuses.FAILED,
+    JobState.CANCELLED: statuses.CANCELLED,
 }
 
 

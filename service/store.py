@@ -24,20 +24,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import SecretStr
 from sqlalchemy import Engine, create_engine, delete, event, func, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 
 from service import auth
 from service.models import CheckpointRow, Event, Job, LogLine, MetricRow, Token
+from service.spec import spec_to_private_json  # the one revealer of secrets; the supervisor imports it here
+from service.statuses import ACTIVE, PENDING, RECOVERING, STATUSES, TERMINAL
 
 log = logging.getLogger(__name__)
 
-PENDING, RUNNING, RECOVERING = "PENDING", "RUNNING", "RECOVERING"
-SUCCEEDED, FAILED, CANCELLED = "SUCCEEDED", "FAILED", "CANCELLED"
-STATUSES: tuple[str, ...] = (PENDING, RUNNING, RECOVERING, SUCCEEDED, FAILED, CANCELLED)
-TERMINAL: frozenset[str] = frozenset({SUCCEEDED, FAILED, CANCELLED})
-ACTIVE: frozenset[str] = frozenset({RUNNING, RECOVERING})
 MIGRATIONS_DIR = Path(__file__).with_name("migrations")
 # Logs are bounded per job: MAX_LOG_LINES lines (the oldest dropped first) of MAX_LOG_LINE_CHARS each.
 MAX_LOG_LINES = 50_000
@@ -125,21 +121,6 @@ class CheckpointRecord:
 
 def new_job_id() -> str:
     return uuid.uuid4().hex[:16]
-
-
-def spec_to_private_json(spec: Any) -> str:
-    """The whole spec as JSON with secret values revealed: what the supervisor needs to run it."""
-
-    def reveal(x: Any) -> Any:
-        if isinstance(x, SecretStr):
-            return x.get_secret_value()
-        if isinstance(x, dict):
-            return {k: reveal(v) for k, v in x.items()}
-        if isinstance(x, list | tuple):
-            return [reveal(v) for v in x]
-        return x
-
-    return json.dumps(reveal(spec.model_dump(mode="python")), sort_keys=True, default=str)
 
 
 def _json_safe(x: Any) -> Any:

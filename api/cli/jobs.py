@@ -60,10 +60,12 @@ def _watch(c: Client, job_id: str) -> Any:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from service.statuses import PENDING
+
     console = Console(stderr=True)
     columns = (BarColumn(bar_width=12), TextColumn("{task.fields[info]}"), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=False) as bar:
-        task = bar.add_task(job_id, total=None, info="PENDING")
+        task = bar.add_task(job_id, total=None, info=PENDING)
 
         def update(p: JobProgress) -> None:
             step = f"{p.step or 0}/{p.total_steps}" if p.total_steps else str(p.step or 0)
@@ -94,10 +96,12 @@ def submit(
             typer.secho(f"warning: {text}", fg=typer.colors.YELLOW, err=True)
         if not wait:
             return
+        from service.statuses import SUCCEEDED
+
         final = _run(lambda: _watch(c, job.id))
-        color = typer.colors.GREEN if final.status == "SUCCEEDED" else typer.colors.RED
+        color = typer.colors.GREEN if final.status == SUCCEEDED else typer.colors.RED
         typer.secho(f"{final.id} {final.status}" + (f": {final.reason}" if final.reason else ""), fg=color, err=True)
-        if final.status != "SUCCEEDED":
+        if final.status != SUCCEEDED:
             raise typer.Exit(1)
 
 

@@ -69,6 +69,7 @@ def run_job(
     import ray
 
     from service.local_cluster import LocalCluster
+    from service.statuses import FAILED, SUCCEEDED
     from service.supervisor import launch_supervisor
     from workers.progress import StepProgress
 
@@ -81,7 +82,7 @@ def run_job(
         for name, cpus in nodes.items():
             cluster.add_node(name, num_cpus=cpus)
         cluster.connect()
-    state = "FAILED"
+    state = FAILED
     try:
         handle = launch_supervisor(jid, spec, store_url=None)
         typer.echo(f"job {jid}: output in {out_dir}", err=True)
@@ -119,7 +120,7 @@ def run_job(
             cluster.shutdown()
         elif ray.is_initialized():
             ray.shutdown()
-    return 0 if state == "SUCCEEDED" else 1
+    return 0 if state == SUCCEEDED else 1
 
 
 def run(

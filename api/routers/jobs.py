@@ -20,14 +20,8 @@ from service import sizing
 from service.auth import Principal
 from service.estimate import estimate_run, long_job_warnings
 from service.spec import JobSpec
-from service.store import (
-    CANCELLED,
-    STATUSES,
-    TERMINAL,
-    IdempotencyConflictError,
-    JobNotTerminalError,
-    JobRecord,
-)
+from service.statuses import CANCELLED, STATUSES, TERMINAL
+from service.store import IdempotencyConflictError, JobNotTerminalError, JobRecord
 
 router = APIRouter(prefix="/v1", tags=["jobs"])
 

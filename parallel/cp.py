@@ -5,7 +5,9 @@ the partial results of every key/value block are merged with their log-sum-exp, 
 result equals full causal attention. The causal mask comes from the global positions of
 the tokens, which lets the sequence be sharded "zigzag": the sequence is cut into 2·cp
 chunks and rank r holds chunks r and 2·cp−1−r, so every rank does the same amount of work
-under the causal mask. Key/value half-blocks that the mask hides entirely are skipped, and
+under the causal mask. With document ids (packed documents, `data.document_mask`) each rank holds
+the whole sequence's ids, so every block's mask also keeps queries to their own document; no
+extra communication is needed. Key/value half-blocks that the causal mask hides entirely are skipped, and
 the next block's transfer is posted before the current block is computed, so communication
 overlaps compute.
 
@@ -104,9 +106,11 @@ def _wait(works: list[Any]) -> None:
 
 
 def _block_pairs(
-    q_segs: list[tuple[int, int]], kv_segs: list[tuple[int, int]]
+    q_segs: list[tuple[int, int]], kv_segs: list[tuple[int, int]], doc_ids: torch.Tensor | None = None
 ) -> Iterator[tuple[slice, slice, torch.Tensor | None]]:
-    """(query rows, key rows, mask or None) for each visible half-block; hidden ones are skipped."""
+    """(query rows, key rows, mask or None) for each visible half-block; hidden ones are skipped.
+
+    The mask is (q, k), or (batch, 1, q, k) with doc_ids (batch, whole seq) given."""
     q_off = 0
     for qs, qn in q_segs:
         k_off = 0
@@ -115,6 +119,9 @@ def _block_pairs(
                 mask = None
                 if ks + kn - 1 > qs:  # some keys are after some queries: causal mask
                     mask = torch.arange(qs, qs + qn)[:, None] >= torch.arange(ks, ks + kn)[None, :]
+                if doc_ids is not None:
+                    same = doc_ids[:, qs : qs + qn, None] == doc_ids[:, None, ks : ks + kn]
+                    mask = (same if mask is None else same & mask.to(same.device)).unsqueeze(1)
                 yield slice(q_off, q_off + qn), slice(k_off, k_off + kn), mask
             k_off += kn
         q_off += qn
@@ -123,7 +130,8 @@ def _block_pairs(
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, layout: Layout
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, layout: Layout,
+        doc_ids: torch.Tensor | None,
     ) -> torch.Tensor:
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         seq_len = q.shape[2] * world
@@ -139,7 +147,7 @@ class _RingAttention(torch.autograd.Function):
             if step < world - 1:  # post the next block's transfer first, then compute this one
                 (nk, nv), works = _ring_exchange([cur_k, cur_v], group)
             kf, vf = cur_k.float(), cur_v.float()
-            for qi, ki, mask in _block_pairs(q_segs, _segments(seq_len, src, world, layout)):
+            for qi, ki, mask in _block_pairs(q_segs, _segments(seq_len, src, world, layout), doc_ids):
                 s = (qf[:, :, qi] @ kf[:, :, ki].transpose(-1, -2)) * scale
                 if mask is not None:
                     s = s.masked_fill(~mask.to(s.device), -math.inf)
@@ -154,13 +162,15 @@ class _RingAttention(torch.autograd.Function):
                 _wait(works)
                 cur_k, cur_v = nk, nv
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.layout, ctx.scale = group, layout, scale
+        ctx.group, ctx.layout, ctx.scale, ctx.doc_ids = group, layout, scale, doc_ids
         return out.to(q.dtype)
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
+    def backward(
+        ctx: Any, grad_out: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None, None]:
         q, k, v, out, lse = ctx.saved_tensors
-        group, layout, scale = ctx.group, ctx.layout, ctx.scale
+        group, layout, scale, doc_ids = ctx.group, ctx.layout, ctx.scale, ctx.doc_ids
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         seq_len = q.shape[2] * world
         q_segs = _segments(seq_len, rank, world, layout)
@@ -177,7 +187,7 @@ class _RingAttention(torch.autograd.Function):
             if step < world - 1:
                 (nk, nv), works = _ring_exchange([cur_k, cur_v], group)
             kf, vf = cur_k.float(), cur_v.float()
-            for qi, ki, mask in _block_pairs(q_segs, _segments(seq_len, src, world, layout)):
+            for qi, ki, mask in _block_pairs(q_segs, _segments(seq_len, src, world, layout), doc_ids):
                 s = (qf[:, :, qi] @ kf[:, :, ki].transpose(-1, -2)) * scale
                 p = torch.exp(s - lse[:, :, qi].unsqueeze(-1))
                 if mask is not None:
@@ -193,15 +203,17 @@ class _RingAttention(torch.autograd.Function):
             if works:
                 _wait(works)
                 cur_k, cur_v = nk, nv
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 def ring_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: dist.ProcessGroup, layout: Layout = "zigzag"
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None, *,
+    group: dist.ProcessGroup, layout: Layout = "zigzag",
 ) -> torch.Tensor:
     """Causal attention over the whole sequence; q/k/v: (batch, heads, local_seq, head_dim)
-    holding this rank's shard (as `shard_sequence` cuts it). Returns this rank's output rows."""
-    return _RingAttention.apply(q, k, v, group, layout)
+    holding this rank's shard (as `shard_sequence` cuts it). Returns this rank's output rows.
+    doc_ids: (batch, whole seq) documents of the packed sequence, unsharded; attention stays inside each."""
+    return _RingAttention.apply(q, k, v, group, layout, doc_ids)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,6 +8,9 @@ Written so the parallel layouts can rewrite it in place, as torchtitan does:
 - `tok_embeddings`, `norm` and `output` may be None on a pipeline stage that lacks them;
 - attention takes global `positions`, and its kernel is a replaceable attribute, so context
   parallelism can shard the sequence (zigzag) and swap in ring attention;
+- packed documents: `doc_ids` (batch, seq) gives each position's document, and attention then
+  stays inside it (a kernel gets them as `doc_ids=`; every kernel accepts it). Rotary embeddings
+  are relative, so positions need not restart at each document;
 - rotary embeddings use the "rotate half" convention, so Hugging Face Llama weights map
   one-to-one with no permutation.
 
@@ -26,13 +29,26 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallel.config import ModelConfig
+from parallel.moe import MoE
+from parallel.param_names import canonical_name
 
-AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# attn_fn(q, k, v, doc_ids=None): q/k/v (batch, heads, seq, head_dim), doc_ids (batch, seq) or None.
+AttentionFn = Callable[..., torch.Tensor]
 
 
-def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal attention over (batch, heads, seq, head_dim); k/v already expanded to q's heads."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+def document_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """(batch, 1, seq, seq) bool: causal, and only within the same document."""
+    seq = doc_ids.shape[-1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=doc_ids.device).tril()
+    return ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal).unsqueeze(1)
+
+
+def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention over (batch, heads, seq, head_dim); k/v already expanded to q's heads.
+    With doc_ids (batch, seq), each position sees only earlier positions of its own document."""
+    if doc_ids is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(doc_ids))
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,7 +82,8 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         self.attn_fn: AttentionFn = causal_sdpa
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         bs, seqlen, _ = x.shape
         q = self.wq(x).view(bs, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bs, seqlen, -1, self.head_dim)
@@ -75,7 +92,8 @@ class Attention(nn.Module):
         if self.n_rep > 1:
             k = k.repeat_interleave(self.n_rep, dim=2)
             v = v.repeat_interleave(self.n_rep, dim=2)
-        out = self.attn_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        out = self.attn_fn(q, k, v) if doc_ids is None else self.attn_fn(q, k, v, doc_ids=doc_ids)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
 
@@ -105,14 +123,13 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.moe_enabled = is_moe_layer(cfg, layer_id)
         if self.moe_enabled:
-            from parallel.moe import MoE  # the MoE family lives beside, built only when asked for
-
             self.feed_forward: nn.Module = MoE(cfg)
         else:
             self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, doc_ids=doc_ids)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -129,10 +146,13 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """tokens: (batch, seq) ids on the first stage, else (batch, seq, dim) hidden states.
 
         positions: (seq,) or (batch, seq) global positions; default 0..seq-1.
+        doc_ids: (batch, full seq) document of each position (attention stays inside each); None:
+        plain causal. Under context parallelism it covers the whole sequence, not the local shard.
         Returns logits (batch, seq, vocab) on the last stage, else hidden states.
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
@@ -143,7 +163,7 @@ class Transformer(nn.Module):
         if cos.dim() == 2:
             cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin) if doc_ids is None else layer(h, cos, sin, doc_ids=doc_ids)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h
@@ -210,10 +230,3 @@ def init_weights(model: nn.Module, cfg: ModelConfig, seed: int | None = None, de
             p.to_local().copy_(local.to_local())
         else:
             p.copy_(full.to(p.dtype))
-
-
-def canonical_name(name: str) -> str:
-    """Strip wrapper prefixes (activation checkpointing, compile) so names match across layouts."""
-    for junk in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
-        name = name.replace(junk, "")
-    return name

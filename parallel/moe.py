@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallel.config import ModelConfig
+from parallel.param_names import canonical_name
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -225,8 +226,6 @@ def global_moe_metrics(model: nn.Module, n_layers: int, cp: int = 1) -> dict[str
     Returns {"moe_aux_loss": mean per layer and sequence, "moe_load_imbalance": max/mean
     tokens per expert averaged over layers (1.0 is perfectly balanced)}.
     """
-    from parallel.model import canonical_name
-
     found = [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
     if not found:
         return {}

@@ -101,13 +101,15 @@ class Pipeline:
     def has_last(self) -> bool:
         return self.n_stages - 1 in self.stage_ids
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
         """Forward and backward of one local batch; returns the sum of the micro-batch losses
-        (as the loss function returned them) on the rank holding the last stage, else 0."""
+        (as the loss function returned them) on the rank holding the last stage, else 0.
+        `kwargs` (batch-first tensors) reach every stage's forward, cut per micro-batch."""
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
         target = targets if self.has_last else None
-        self.schedule.step(*args, target=target, losses=losses if self.has_last else None, return_outputs=False)
+        self.schedule.step(*args, target=target, losses=losses if self.has_last else None, return_outputs=False,
+                           **kwargs)
         if not losses:
             return torch.zeros((), dtype=torch.float32, device=inputs.device)
         return torch.stack([loss.detach().float() for loss in losses]).sum()

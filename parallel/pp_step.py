@@ -92,7 +92,10 @@ def pipeline_step(pipe: Pipeline, micro: list[Batch], device: torch.device,
 
         inputs, targets = shard_sequence(inputs, cp_rank, cp), shard_sequence(targets, cp_rank, cp)
     inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-    total = pipe.step(inputs, targets)
+    # Document ids reach every stage as a keyword input (the schedule cuts them per micro-batch);
+    # they stay whole-sequence under cp, as ring attention wants them.
+    kwargs = {} if micro[0].doc_ids is None else {"doc_ids": torch.cat([b.doc_ids for b in micro]).to(device)}
+    total = pipe.step(inputs, targets, **kwargs)
     dist.all_reduce(total, group=pp_group)  # only the last stage's rank holds the losses
     return total
 

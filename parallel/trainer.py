@@ -10,9 +10,11 @@ the step runs the schedule (`parallel.pp_step`); with cp > 1 each sequence is cu
 
 One step: every dp rank runs the same number of micro-batches over its slice of the global
 batch (padding rows weigh zero); each micro-batch's loss is the *sum* of token losses divided by
-the global token count; FSDP averages gradients over its fsdp_size ranks, so the loss fed to
-backward is multiplied by fsdp_size to turn that average into the plain sum. The reported loss
-is the all-reduced sum over dp x cp divided by the global token count.
+the global count of loss-bearing tokens of the step (B x seq_len, fewer under a fine-tuning
+format's loss mask; every rank computes it from the data alone); FSDP averages gradients over its
+fsdp_size ranks, so the loss fed to backward is multiplied by fsdp_size to turn that average into
+the plain sum. The reported loss is the all-reduced sum over dp x cp divided by that count. With
+`data.document_mask` each batch carries document ids and attention stays inside each document.
 """
 
 from __future__ import annotations
@@ -83,6 +85,9 @@ class Trainer:
             set_aux_scale(self.model, aux_scale)
         self.optimizer = build_optimizer(self.model, t, self.device)
         self.scheduler = build_scheduler(self.optimizer, t)
+        if cfg.data.document_mask and self.dims.cp_enabled and cfg.parallelism.cp_impl == "builtin":
+            raise ValueError("data.document_mask: parallelism.cp_impl=builtin (torch's context_parallel) cannot keep "
+                             "attention inside documents; use cp_impl: ring")
         self.data = DataLoader(cfg.data, t.seq_len, t.global_batch_size, cfg.model.vocab_size, t.micro_batch_size)
         self.step = 0
         torch.manual_seed(t.seed)
@@ -165,6 +170,8 @@ class Trainer:
         t = self.cfg.training
         self.model.train()
         micro = self.data.micro_batches(self.step, self.dp_rank, self.dims.dp)
+        loss_tokens = max(self.data.loss_tokens(self.step), 1)  # a step of prompts only adds nothing
+        self._grad_scale = float(self.dims.fsdp_size) / loss_tokens
         lr = self.optimizer.param_groups[0]["lr"]
         toggle = self.fsdp and needs_sync_toggle(self.cfg.parallelism.zero_stage)
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -191,6 +198,7 @@ class Trainer:
             inputs = inputs.to(self.device, non_blocking=True)
             targets = targets.to(self.device, non_blocking=True)
             positions = positions.to(self.device) if positions is not None else None
+            doc_ids = batch.doc_ids.to(self.device, non_blocking=True) if batch.doc_ids is not None else None
             if self.dims.cp_enabled and self.cfg.parallelism.cp_impl == "builtin":
                 # torch shards the three buffers in place inside the context (CUDA only).
                 assert self.mesh is not None
@@ -201,7 +209,7 @@ class Trainer:
                 set_row_mask(self.model, (targets != IGNORE_INDEX).any(dim=1))
             with cp_ctx, loss_context(self._loss_parallel):
                 with self._autocast():
-                    logits = self.model(inputs, positions=positions)
+                    logits = self.model(inputs, positions=positions, doc_ids=doc_ids)
                 loss = token_loss_sum(logits, targets)
                 (loss * self._grad_scale).backward()
             loss_sum += loss.detach()
@@ -213,7 +221,7 @@ class Trainer:
         if self.mesh is not None and self.dims.dp_cp > 1:
             dist.all_reduce(loss_sum, group=self.dims.get_mesh(self.mesh, "dp_cp").get_group())
         tokens = self.data.tokens_per_step()
-        loss_value = float(loss_sum) / tokens
+        loss_value = float(loss_sum) / loss_tokens
         self._sync()
         self.step += 1
         dt = time.perf_counter() - t0

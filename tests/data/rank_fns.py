@@ -1,0 +1,30 @@
+"""Rank bodies for the data tests' multi-rank runs (started by tests.parallel.harness)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from parallel.trainer import Trainer
+from tests.parallel.rank_fns import make_cfg
+
+
+def train_layouts(ctx: Any, payload: dict[str, Any]) -> dict[str, Any]:
+    """Each (base, layouts) run: every layout trains `steps` steps; rank 0 returns per layout the
+    train losses, the eval losses by step, and the final full weights."""
+    out: dict[str, Any] = {}
+    for run in payload["runs"]:
+        for lay in run["layouts"]:
+            def body(lay: dict[str, Any] = lay, base: dict[str, Any] = run["base"]) -> dict[str, Any]:
+                cfg = make_cfg(base, lay.get("parallelism"), lay.get("training"), lay.get("model"))
+                trainer = Trainer(cfg, device=torch.device("cpu"))
+                metrics = [trainer.train_step() for _ in range(cfg.training.steps)]
+                full = trainer.full_state_dict()
+                return {"losses": [m.loss for m in metrics],
+                        "eval": {m.step: m.eval_loss for m in metrics if getattr(m, "eval_loss", None) is not None},
+                        "weights": full if ctx.rank == 0 else None}
+            result = ctx.in_group(lay["world"], lay["name"], body)
+            if result is not None:
+                out[lay["name"]] = result
+    return out

@@ -79,7 +79,8 @@ async function run() {
   }
   summary.replaceChildren(el("p", { class: "muted" }, "Planning…"));
   try {
-    const plan = await api(`/v1/plan${q.size ? `?${q}` : ""}`, { method: "POST", body: text.value, contentType: "application/yaml" });
+    const path = q.size ? `/v1/plan?${q}` : "/v1/plan";
+    const plan = await api(path, { method: "POST", body: text.value, contentType: "application/yaml" });
     showFieldErrors(errors, text, []);
     render(plan);
   } catch (err) {

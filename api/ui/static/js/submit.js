@@ -41,9 +41,13 @@ async function validate() {
   try {
     const plan = await api("/v1/plan", { method: "POST", body: text.value, contentType: "application/yaml" });
     if (mine !== seq) return;
-    showFieldErrors(errors, text, []);
+    // The spec's own layout (when it names one) must fit too: its reasons belong to `parallelism`.
+    const own = plan.requested && !plan.requested.fits
+      ? plan.requested.reasons.map((m) => ({ field: "parallelism", message: `${plan.requested.layout}: ${m}` })) : [];
+    const n = showFieldErrors(errors, text, own);
     planBox.replaceChildren(planSummary(plan));
-    stateLine.textContent = plan.ok ? "The spec is valid." : "The spec is valid, but no layout fits (see the plan).";
+    stateLine.textContent = n ? `The spec's own layout does not fit: ${n} problem(s).`
+      : plan.ok ? "The spec is valid." : "The spec is valid, but no layout fits (see the plan).";
   } catch (err) {
     if (mine !== seq) return;
     if (!(err instanceof ApiError)) throw err;

@@ -29,7 +29,7 @@ from checkpointing.persistent import CheckpointManager, CorruptCheckpoint
 from checkpointing.uri import parse_uri
 from parallel.config import ModelConfig, format_validation_error
 from parallel.model import build_model, canonical_name
-from workers.final_state import (
+from workers.export_source import (
     ExportOptions,
     ExportSource,
     ExportSourceError,

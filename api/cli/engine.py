@@ -74,7 +74,8 @@ def export_hf_cmd(
     """Export a run's final weights or a checkpoint's model as a Hugging Face folder
     (LlamaForCausalLM; MixtralForCausalLM for MoE models)."""
     from parallel.hf import HFInteropError, export_hf
-    from workers.final_state import ExportOptions, ExportSourceError, resolve_export_source
+    from workers.export_resolver import resolve_export_source
+    from workers.export_source import ExportOptions, ExportSourceError
 
     opts = ExportOptions(step=step, endpoint_url=endpoint_url, region=region,
                          model_config=str(model_config) if model_config is not None else None)  # fmt: skip

@@ -256,6 +256,9 @@ class TrainConfig(_Strict):
         "job's own ($UNBROKEN_HOME/runs/<job-id> under `unbroken serve`, runs/<run-id> for train and run)",
     )
     log_every: int = Field(1, ge=1)
+    eval_every: int | None = Field(
+        None, ge=1, description="evaluate data.eval every N steps and after the last; default: after the last only"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:

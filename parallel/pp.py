@@ -110,6 +110,19 @@ class Pipeline:
         target = targets if self.has_last else None
         self.schedule.step(*args, target=target, losses=losses if self.has_last else None, return_outputs=False,
                            **kwargs)
+        return self._total(losses, inputs)
+
+    def eval(self, inputs: torch.Tensor, targets: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
+        """As `step`, forward only (the schedule's eval; call under torch.no_grad())."""
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.has_first else ()
+        target = targets if self.has_last else None
+        self.schedule.eval(*args, target=target, losses=losses if self.has_last else None, return_outputs=False,
+                           **kwargs)
+        return self._total(losses, inputs)
+
+    @staticmethod
+    def _total(losses: list[torch.Tensor], inputs: torch.Tensor) -> torch.Tensor:
         if not losses:
             return torch.zeros((), dtype=torch.float32, device=inputs.device)
         return torch.stack([loss.detach().float() for loss in losses]).sum()

@@ -81,10 +81,10 @@ def build_pipeline(
 
 
 def pipeline_step(pipe: Pipeline, micro: list[Batch], device: torch.device,
-                  pp_group: dist.ProcessGroup, cp_rank: int = 0, cp: int = 1) -> torch.Tensor:
+                  pp_group: dist.ProcessGroup, cp_rank: int = 0, cp: int = 1, *, train: bool = True) -> torch.Tensor:
     """One step over this dp rank's rows (all its micro-batches joined: the schedule re-cuts
     them into pp_microbatches), each sequence cut to this rank's zigzag shard when cp > 1.
-    Returns the sum of what the loss function returned, on every pp rank."""
+    Returns the sum of what the loss function returned, on every pp rank; train=False: forward only."""
     inputs = torch.cat([b.inputs for b in micro])
     targets = torch.cat([b.targets for b in micro])
     if cp > 1:
@@ -95,7 +95,7 @@ def pipeline_step(pipe: Pipeline, micro: list[Batch], device: torch.device,
     # Document ids reach every stage as a keyword input (the schedule cuts them per micro-batch);
     # they stay whole-sequence under cp, as ring attention wants them.
     kwargs = {} if micro[0].doc_ids is None else {"doc_ids": torch.cat([b.doc_ids for b in micro]).to(device)}
-    total = pipe.step(inputs, targets, **kwargs)
+    total = pipe.step(inputs, targets, **kwargs) if train else pipe.eval(inputs, targets, **kwargs)
     dist.all_reduce(total, group=pp_group)  # only the last stage's rank holds the losses
     return total
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,9 +35,10 @@ from parallel import dist as pdist
 from parallel.ac import apply_ac
 from parallel.config import EngineConfig
 from parallel.cp import apply_cp, builtin_cp_context, shard_batch
-from parallel.data import IGNORE_INDEX, DataLoader
+from parallel.data import IGNORE_INDEX, Batch, DataLoader
 from parallel.dims import ParallelDims
 from parallel.ep import apply_ep, apply_expert_fsdp, expert_fsdp_mesh
+from parallel.evaluate import eval_due, evaluate, perplexity
 from parallel.fsdp import apply_fsdp, needs_sync_toggle
 from parallel.loss import loss_context, token_loss_sum
 from parallel.metrics import device_peak_flops, flops_per_token, mfu, peak_memory_bytes
@@ -61,6 +63,8 @@ class StepMetrics:
     peak_mem_bytes: int  # cuda max_memory_allocated, or process peak RSS on CPU
     mfu: float | None  # None where the device peak FLOP/s is unknown (CPU)
     extra: dict[str, float] = field(default_factory=dict)
+    eval_loss: float | None = None  # mean loss on data.eval, at steps where it was evaluated
+    eval_ppl: float | None = None  # exp(eval_loss)
 
 
 class Trainer:
@@ -88,6 +92,9 @@ class Trainer:
         if cfg.data.document_mask and self.dims.cp_enabled and cfg.parallelism.cp_impl == "builtin":
             raise ValueError("data.document_mask: parallelism.cp_impl=builtin (torch's context_parallel) cannot keep "
                              "attention inside documents; use cp_impl: ring")
+        if t.eval_every is not None and cfg.data.eval is None:
+            raise ValueError(f"training.eval_every={t.eval_every} but data.eval is not set; give data.eval "
+                             "(a held-out set or {split: 0.01}) or drop eval_every")
         self.data = DataLoader(cfg.data, t.seq_len, t.global_batch_size, cfg.model.vocab_size, t.micro_batch_size)
         self.step = 0
         torch.manual_seed(t.seed)
@@ -176,40 +183,16 @@ class Trainer:
         toggle = self.fsdp and needs_sync_toggle(self.cfg.parallelism.zero_stage)
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         if self.pipeline is not None:
-            from parallel.pp_step import pipeline_step
-
-            assert self.mesh is not None
-            with loss_context(self._loss_parallel), self._autocast():
-                pp_group = self.dims.get_mesh(self.mesh, "pp").get_group()
-                cp_rank = self.dims.get_mesh(self.mesh, "cp").get_local_rank() if self.dims.cp_enabled else 0
-                loss_sum += pipeline_step(self.pipeline, micro, self.device, pp_group, cp_rank, self.dims.cp)
-            loss_sum /= self._grad_scale
+            loss_sum += self.pipeline_run(micro, train=True) / self._grad_scale
             micro = []
         for i, batch in enumerate(micro):
-            inputs, targets = batch.inputs, batch.targets
             if toggle:
                 self.model.set_requires_gradient_sync(i == len(micro) - 1)
-            positions = None
-            cp_ctx: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-            if self.dims.cp_enabled and self.cfg.parallelism.cp_impl == "ring":  # this rank's zigzag shard
-                assert self.mesh is not None
-                cp = self.dims.get_mesh(self.mesh, "cp")
-                inputs, targets, positions = shard_batch(inputs, targets, cp.get_local_rank(), cp.size())
-            inputs = inputs.to(self.device, non_blocking=True)
-            targets = targets.to(self.device, non_blocking=True)
-            positions = positions.to(self.device) if positions is not None else None
-            doc_ids = batch.doc_ids.to(self.device, non_blocking=True) if batch.doc_ids is not None else None
-            if self.dims.cp_enabled and self.cfg.parallelism.cp_impl == "builtin":
-                # torch shards the three buffers in place inside the context (CUDA only).
-                assert self.mesh is not None
-                inputs, targets = inputs.contiguous(), targets.contiguous()
-                positions = torch.arange(inputs.shape[1], device=self.device)
-                cp_ctx = builtin_cp_context(self.dims.get_mesh(self.mesh, "cp"), [inputs, targets, positions], [1, 1, 0])
-            if self.cfg.model.moe is not None:  # padding rows add no load-balancing gradient
-                set_row_mask(self.model, (targets != IGNORE_INDEX).any(dim=1))
-            with cp_ctx, loss_context(self._loss_parallel):
+            with self.micro_batch(batch) as (inputs, targets, kwargs):
+                if self.cfg.model.moe is not None:  # padding rows add no load-balancing gradient
+                    set_row_mask(self.model, (targets != IGNORE_INDEX).any(dim=1))
                 with self._autocast():
-                    logits = self.model(inputs, positions=positions, doc_ids=doc_ids)
+                    logits = self.model(inputs, **kwargs)
                 loss = token_loss_sum(logits, targets)
                 (loss * self._grad_scale).backward()
             loss_sum += loss.detach()
@@ -226,7 +209,7 @@ class Trainer:
         self.step += 1
         dt = time.perf_counter() - t0
         tps = tokens / dt
-        return StepMetrics(
+        metrics = StepMetrics(
             step=self.step, loss=loss_value, tokens=tokens, dp=self.dims.dp, world_size=self.dims.world_size,
             step_time_s=dt, tokens_per_s=tps, lr=lr, grad_norm=gnorm,
             peak_mem_bytes=peak_memory_bytes(self.device),
@@ -234,6 +217,45 @@ class Trainer:
             extra=global_moe_metrics(self.model, self.cfg.model.n_layers, self.dims.cp)
             if self.cfg.model.moe is not None else {},
         )
+        if eval_due(self.step, self.cfg):  # after the step's metrics: its time is not the step's
+            metrics.eval_loss, metrics.extra["eval_time_s"] = evaluate(self)
+            metrics.eval_ppl = perplexity(metrics.eval_loss)
+        return metrics
+
+    @contextlib.contextmanager
+    def micro_batch(self, batch: Batch) -> Iterator[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]]:
+        """(inputs, targets, model kwargs) of one micro-batch on this rank's device, cut to its cp shard,
+        inside the contexts its forward and backward need (loss parallel, builtin CP)."""
+        inputs, targets = batch.inputs, batch.targets
+        positions = None
+        cp_ctx: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+        if self.dims.cp_enabled and self.cfg.parallelism.cp_impl == "ring":  # this rank's zigzag shard
+            assert self.mesh is not None
+            cp = self.dims.get_mesh(self.mesh, "cp")
+            inputs, targets, positions = shard_batch(inputs, targets, cp.get_local_rank(), cp.size())
+        inputs = inputs.to(self.device, non_blocking=True)
+        targets = targets.to(self.device, non_blocking=True)
+        positions = positions.to(self.device) if positions is not None else None
+        doc_ids = batch.doc_ids.to(self.device, non_blocking=True) if batch.doc_ids is not None else None
+        if self.dims.cp_enabled and self.cfg.parallelism.cp_impl == "builtin":
+            # torch shards the three buffers in place inside the context (CUDA only).
+            assert self.mesh is not None
+            inputs, targets = inputs.contiguous(), targets.contiguous()
+            positions = torch.arange(inputs.shape[1], device=self.device)
+            cp_ctx = builtin_cp_context(self.dims.get_mesh(self.mesh, "cp"), [inputs, targets, positions], [1, 1, 0])
+        with cp_ctx, loss_context(self._loss_parallel):
+            yield inputs, targets, {"positions": positions, "doc_ids": doc_ids}
+
+    def pipeline_run(self, micro: list[Batch], *, train: bool) -> torch.Tensor:
+        """This rank's rows through the pipeline schedule (forward and backward, or forward only);
+        returns the sum of what the loss function returned, on every pp rank."""
+        from parallel.pp_step import pipeline_step
+
+        assert self.mesh is not None and self.pipeline is not None
+        with loss_context(self._loss_parallel), self._autocast():
+            pp_group = self.dims.get_mesh(self.mesh, "pp").get_group()
+            cp_rank = self.dims.get_mesh(self.mesh, "cp").get_local_rank() if self.dims.cp_enabled else 0
+            return pipeline_step(self.pipeline, micro, self.device, pp_group, cp_rank, self.dims.cp, train=train)
 
     # --- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -28,9 +28,10 @@ def metrics_line(metrics: Any, *, generation: int = 0) -> dict[str, Any]:
     peak = get("peak_mem_bytes")
     if peak is not None:
         line["peak_mem_bytes"] = peak
-    mfu = get("mfu")
-    if mfu is not None:
-        line["mfu"] = mfu
+    for key in ("mfu", "eval_loss", "eval_ppl"):  # only where there is a value (eval: the steps it ran)
+        value = get(key)
+        if value is not None:
+            line[key] = value
     return line
 
 

@@ -68,6 +68,7 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("unbroken_tokens_per_s", "gauge", "tokens per second of the whole job at the last step", JOB_RANK),
     MetricDef("unbroken_mfu", "gauge", "model FLOPs utilisation at the last step (GPU only)", JOB_RANK),
     MetricDef("unbroken_loss", "gauge", "training loss at the last step (global mean)", JOB_RANK),
+    MetricDef("unbroken_eval_loss", "gauge", "loss on the held-out set (data.eval) at its last evaluation", JOB_RANK),
     MetricDef("unbroken_step", "gauge", "the last completed training step", JOB_RANK),
     MetricDef("unbroken_heartbeat_age_s", "gauge", "seconds since the supervisor last heard from a rank", JOB_RANK),
     MetricDef("unbroken_snapshot_seconds", "histogram", "time to take one in-memory snapshot", JOB_RANK),
@@ -176,6 +177,8 @@ def record_step(job_id: str, rank: int, m: StepLike) -> None:
     if m.mfu is not None:
         ms["unbroken_mfu"].set(float(m.mfu), tags=tags)
     ms["unbroken_loss"].set(float(m.loss), tags=tags)
+    if getattr(m, "eval_loss", None) is not None:
+        ms["unbroken_eval_loss"].set(float(m.eval_loss), tags=tags)
     ms["unbroken_step"].set(float(m.step), tags=tags)
 
 

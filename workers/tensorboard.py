@@ -1,4 +1,4 @@
-"""Optional per-job TensorBoard event files: loss, learning rate, tokens/s, grad norm, step time,
+"""Optional per-job TensorBoard event files: loss, eval loss, learning rate, tokens/s, grad norm, step time,
 MFU, data-parallel degree and generation per step, and recoveries as text events.
 
 One writer per job (rank 0, or the supervisor): every rank sees the same global loss. Needs the
@@ -21,6 +21,8 @@ from workers.metrics_log import read_metrics
 # metrics field -> TensorBoard tag
 SCALARS: dict[str, str] = {
     "loss": "train/loss",
+    "eval_loss": "eval/loss",
+    "eval_ppl": "eval/perplexity",
     "lr": "train/lr",
     "grad_norm": "train/grad_norm",
     "tokens_per_s": "perf/tokens_per_s",

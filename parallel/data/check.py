@@ -82,6 +82,9 @@ def _check_tokens(cfg: DataConfig, prefix: str, fingerprint: str, seq_len: int) 
 def check_data(cfg: EngineConfig) -> list[str]:
     """Problems with `cfg.data` (and its eval set) that would stop the job; [] when none."""
     problems = _check_source(cfg.data, "data", cfg)
+    if cfg.training.eval_every is not None and cfg.data.eval is None:
+        problems.append(f"training.eval_every={cfg.training.eval_every} but data.eval is not set; give data.eval "
+                        "(a held-out set, or {split: 0.01} of the training data) or drop eval_every")
     if cfg.data.document_mask and cfg.parallelism.cp > 1 and cfg.parallelism.cp_impl == "builtin":
         problems.append("data.document_mask: parallelism.cp_impl=builtin (torch's context_parallel) cannot keep "
                         "attention inside documents; use cp_impl: ring")

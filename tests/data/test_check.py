@@ -55,7 +55,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _job(data: dict[str, Any], vocab: int = 512, seq_len: int = 16, **extra: Any) -> dict[str, Any]:
-    return {"model": {"preset": "tiny", "vocab_size": vocab}, "data": data, "training": {"seq_len": seq_len}, **extra}
+    return {"model": {"preset": "tiny", "vocab_size": vocab}, "data": data, "training": {"seq_len": seq_len}} | extra
 
 
 # (name, job builder, expected message fragment)
@@ -98,6 +98,9 @@ CASES: list[tuple[str, Any, str]] = [
     ("eval set missing", lambda w: _job({"kind": "jsonl", "path": str(w["good.jsonl"]),
                                          "eval": {"path": str(w["missing"])}}),
      "data.eval.path='{missing}' does not exist"),
+    ("eval_every without an eval set", lambda w: _job({"kind": "jsonl", "path": str(w["good.jsonl"])},
+                                                       training={"seq_len": 16, "eval_every": 5}),
+     "training.eval_every=5 but data.eval is not set"),
     ("eval tokenizer too large", lambda w: _job({"kind": "text", "path": str(w["good.jsonl"]),
                                                  "eval": {"path": str(w["good.jsonl"]), "tokenizer": str(w["tok"])}}, vocab=300),
      "data.eval.tokenizer: "),

@@ -2,7 +2,8 @@
 
 Single process: a packed, masked window gives each document the logits it has alone. Multi-rank:
 one 4-rank launch trains FSDP, TP, CP (ring attention), PP and PP x CP on packed data with document
-masks; each matches one process (losses <= 1e-5 fp32 over 10 steps, final weights).
+masks and a held-out split evaluated every 5 steps; each matches one process (train and eval losses
+<= 1e-5 fp32 over 10 steps, final weights).
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ from parallel.model import build_model, init_weights
 from parallel.trainer import Trainer
 from tests.parallel.harness import launch
 from tests.parallel.layout_parity import check_parity
-from tests.parallel.rank_fns import run_steps
 
 STEPS = 10
-TRAIN: dict[str, Any] = {"steps": STEPS, "seq_len": 32, "global_batch_size": 8, "warmup_steps": 2, "lr": 1e-3}
+TRAIN: dict[str, Any] = {"steps": STEPS, "seq_len": 32, "global_batch_size": 8, "warmup_steps": 2, "lr": 1e-3,
+                         "eval_every": 5}
 LAYOUTS: list[dict[str, Any]] = [
     dict(name="fsdp4", world=4, parallelism={}),
     dict(name="tp2", world=4, parallelism={"tp": 2}),
@@ -51,7 +52,8 @@ def corpus(folder: Path) -> Path:
 
 def base(prepared: Path) -> dict[str, Any]:
     return {"model": {"preset": "tiny", "n_layers": 4}, "training": TRAIN,
-            "data": {"kind": "tokens", "path": str(prepared), "document_mask": True, "seed": 1}}
+            "data": {"kind": "tokens", "path": str(prepared), "document_mask": True, "seed": 1,
+                     "eval": {"split": 0.05, "sequences": 12}}}
 
 
 def test_masked_window_equals_each_document_alone(tmp_path: Path) -> None:
@@ -81,7 +83,8 @@ def parity(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], An
     prepared = corpus(tmp_path_factory.mktemp("packing"))
     cfg = EngineConfig.model_validate(base(prepared))
     trainer = Trainer(cfg, device=torch.device("cpu"))
-    ref = (run_steps(trainer, STEPS), trainer.full_state_dict())
+    metrics = [trainer.train_step() for _ in range(STEPS)]
+    ref = ([m.loss for m in metrics], trainer.full_state_dict(), {m.step: m.eval_loss for m in metrics if m.eval_loss})
     got = launch("tests.data.rank_fns:train_layouts", 4, {"runs": [{"base": base(prepared), "layouts": LAYOUTS}]},
                  timeout_s=600)[0]
     return got, ref
@@ -89,5 +92,8 @@ def parity(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], An
 
 @pytest.mark.parametrize("name", [lay["name"] for lay in LAYOUTS])
 def test_document_masked_layouts_match_one_process(name: str, parity: tuple[dict[str, Any], Any]) -> None:
-    got, ref = parity
-    check_parity(got[name], ref, name)
+    got, (losses, weights, evals) = parity
+    check_parity(got[name], (losses, weights), name)
+    assert sorted(evals) == [5, 10] and sorted(got[name]["eval"]) == [5, 10]
+    for step, value in evals.items():
+        assert abs(got[name]["eval"][step] - value) <= 1e-5, f"{name}: eval loss at step {step}"

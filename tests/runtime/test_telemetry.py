@@ -31,6 +31,7 @@ class Step:
     step_time_s: float
     tokens_per_s: float
     mfu: float | None
+    eval_loss: float | None = None
 
 
 @ray.remote(num_cpus=0)
@@ -41,7 +42,7 @@ class Reporter:
         from checkpointing.keeper import Keeper
         from workers import telemetry as t
 
-        t.record_step(JOB, 0, Step(step=7, loss=2.5, step_time_s=0.1, tokens_per_s=1234.0, mfu=0.42))
+        t.record_step(JOB, 0, Step(step=7, loss=2.5, step_time_s=0.1, tokens_per_s=1234.0, mfu=0.42, eval_loss=2.7))
         t.record_step(JOB, 1, Step(step=7, loss=2.5, step_time_s=0.2, tokens_per_s=1234.0, mfu=None))
         t.record_group(JOB, dp=3, generation=4)
         t.record_snapshot(JOB, 0, 0.05, 1_000_000)
@@ -96,6 +97,7 @@ def test_metrics_reach_prometheus_endpoint(cluster: LocalCluster, reporter: ray.
     p = "ray_"
     want = {
         _key(p + "unbroken_loss", job_id=JOB, rank="0"): 2.5,
+        _key(p + "unbroken_eval_loss", job_id=JOB, rank="0"): 2.7,
         _key(p + "unbroken_tokens_per_s", job_id=JOB, rank="1"): 1234.0,
         _key(p + "unbroken_mfu", job_id=JOB, rank="0"): 0.42,
         _key(p + "unbroken_step", job_id=JOB, rank="0"): 7.0,

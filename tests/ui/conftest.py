@@ -114,6 +114,11 @@ def login(page: Any, url: str, token: str, *, next_path: str = "/ui/jobs") -> No
     page.wait_for_url(f"**{next_path}")
 
 
+def nav(page: Any, name: str) -> None:
+    """Follow a link of the console's navigation bar."""
+    page.get_by_role("navigation", name="Console").get_by_role("link", name=name).click()
+
+
 def no_secret_in(page: Any, *secrets: str) -> None:
     html = page.content()
     for s in secrets:

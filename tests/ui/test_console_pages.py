@@ -20,7 +20,7 @@ from api.server import BackgroundServer
 from service.spec import parse_spec
 from service.store import JobStore
 from tests.benchmarks.api_bench import populate
-from tests.ui.conftest import Recorder, login, no_secret_in, openapi_of, undocumented
+from tests.ui.conftest import Recorder, login, nav, no_secret_in, openapi_of, undocumented
 
 N_JOBS = 10_000
 SECRET = "pages-secret-value-5b7e"
@@ -167,7 +167,7 @@ def test_pages_with_10000_jobs(browser: Any, site: Site, tmp_path: Path) -> None
     check_page(page, tmp_path, "jobs", rec, *secrets)
 
     # 2. Plan: ranked layouts with their memory breakdown, and the rejected ones.
-    page.get_by_role("link", name="Plan").click()
+    nav(page, "Plan")
     expect(page.locator("#candidates tbody tr").first).to_be_visible(timeout=30_000)
     assert page.locator("#rejected tbody tr").count() > 0
     page.locator("#candidates details summary").first.click()
@@ -175,7 +175,7 @@ def test_pages_with_10000_jobs(browser: Any, site: Site, tmp_path: Path) -> None
     check_page(page, tmp_path, "plan", rec, *secrets)
 
     # 3. Cluster (store only: no nodes, the queue in admission order).
-    page.get_by_role("link", name="Cluster").click()
+    nav(page, "Cluster")
     expect(page.locator("#cluster-summary")).to_contain_text("store only")
     expect(page.locator("#queue tbody tr").first).to_be_visible()
     first = page.locator("#queue tbody tr").first.locator("td").first.inner_text()
@@ -197,7 +197,7 @@ def test_pages_with_10000_jobs(browser: Any, site: Site, tmp_path: Path) -> None
     expect(page.locator("#spec")).to_contain_text("**********")
     check_page(page, tmp_path, "job-store-only", rec_user, *secrets)
 
-    page.get_by_role("link", name="Submit").click()
+    nav(page, "Submit")
     editor = page.get_by_label("Job spec (YAML)")
     editor.fill("name: ui-sub\nmodel:\n  preset: tiny\ntraining:\n  steps: 0\n  seq_len: 32\n")
     err = page.locator('#spec-errors li[data-field="training.steps"]')

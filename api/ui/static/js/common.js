@@ -62,7 +62,7 @@ export function badge(status) {
 export function fmtNum(x, digits = 3) {
   if (x === null || x === undefined || Number.isNaN(x)) return "—";
   if (Math.abs(x) >= 1000) return Math.round(x).toLocaleString("en-US");
-  return Number(x).toPrecision(digits).replace(/\.?0+$/, (m) => (m.includes(".") ? "" : m));
+  return String(Number(Number(x).toPrecision(digits)));
 }
 
 export function fmtSecs(s) {

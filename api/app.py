@@ -21,6 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from api.deps import ApiError, AppState
 from api.routers import cluster, health, jobs, metrics, plan, ui
 from service.store import JobStore
+from service.submission import SubmissionRefused
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,11 @@ class LimitsAndMetrics:
 def _api_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ApiError)
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+def _submission_refused(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, SubmissionRefused)
+    return JSONResponse(ApiError(422, "validation_failed", exc.message, exc.problems).body(), status_code=422)
 
 
 def _request_validation_error(_: Request, exc: Exception) -> JSONResponse:
@@ -150,6 +156,7 @@ def create_app(
     app.include_router(cluster.router)
     ui.install(app, state)
     app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(SubmissionRefused, _submission_refused)
     app.add_exception_handler(RequestValidationError, _request_validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import Depends, Request
 from fastapi.security import APIKeyCookie, HTTPAuthorizationCredentials, HTTPBearer
@@ -46,6 +46,10 @@ class AppState:
     max_body_bytes: int = 1 << 20
     cluster_total: dict[str, float] | None = None  # a fixed view for store-only servers (tests, docs)
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def cluster_view(self) -> dict[str, float] | None:
+        """The cluster's resources: the connected Ray cluster's, or a store-only server's fixed view."""
+        return self.scheduler.cluster_total() if self.scheduler is not None else self.cluster_total
 
 
 def get_state(request: Request) -> AppState:
@@ -107,3 +111,16 @@ def visible_job(job_id: str, principal: Principal, state: AppState) -> JobRecord
     if job is None or not principal.can_see(job.owner):
         raise ApiError(404, "not_found", f"no job {job_id!r} visible to {principal.name!r}")
     return job
+
+
+# Dependency aliases for routes: `state: State`, `principal: Caller`, and `job: VisibleJob` (a route
+# with {job_id} in its path gets the job this caller may see, or answers 404 before it runs).
+State = Annotated[AppState, Depends(get_state)]
+Caller = Annotated[Principal, Depends(current_principal)]
+
+
+def _visible_job_dep(job_id: str, principal: Caller, state: State) -> JobRecord:
+    return visible_job(job_id, principal, state)
+
+
+VisibleJob = Annotated[JobRecord, Depends(_visible_job_dep)]

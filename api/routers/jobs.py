@@ -9,17 +9,13 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 import yaml
-from fastapi import APIRouter, Depends, Header, Query, Request, Response
+from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from api import schemas
-from api.deps import ApiError, AppState, current_principal, get_state, visible_job
-from service import sizing
-from service.auth import Principal
-from service.estimate import estimate_run, long_job_warnings
-from service.spec import JobSpec
+from api.deps import ApiError, Caller, State, VisibleJob
+from service import submission
 from service.statuses import CANCELLED, STATUSES, TERMINAL
 from service.store import IdempotencyConflictError, JobNotTerminalError, JobRecord
 
@@ -79,57 +75,6 @@ def _parse_body(raw: bytes, content_type: str) -> Any:
     )
 
 
-def parse_job_spec(data: Any) -> JobSpec:
-    """The body as a JobSpec (its own pydantic checks only); 422 naming each bad field."""
-    if not isinstance(data, dict):
-        raise ApiError(422, "validation_failed", f"a job spec is a mapping of sections, got {type(data).__name__}",
-                       [("body", "must be an object with sections model, data, training, ...")])
-    try:
-        return JobSpec.model_validate(data)
-    except ValidationError as e:
-        fields = []
-        for err in e.errors():
-            loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
-            fields.append((loc, err["msg"].removeprefix("Value error, ")))
-        lines = "; ".join(f"{f}: {m}" for f, m in fields)
-        raise ApiError(422, "validation_failed", f"the job spec is invalid: {lines}", fields) from e
-
-
-def cluster_view(state: AppState) -> dict[str, float] | None:
-    """The cluster's resources: the connected Ray cluster's, or a store-only server's fixed view."""
-    return state.scheduler.cluster_total() if state.scheduler is not None else state.cluster_total
-
-
-def _validate(data: Any, state: AppState) -> tuple[JobSpec, Any]:
-    """(spec, auto): the spec to store, with `parallelism: auto` resolved to a concrete layout
-    (auto: the service.autolayout.AutoLayout chosen, else None)."""
-    from service.validation import job_problems
-
-    spec = parse_job_spec(data)
-    total = cluster_view(state)
-    auto = None
-    if spec.parallelism.auto:
-        from service.autolayout import LayoutRefused, cluster_for_job, resolve_auto
-
-        if total is None:
-            msg = ("auto needs a cluster to plan for and this server has none (store-only, no cluster view); "
-                   "set the parallel sizes explicitly, e.g. parallelism: {dp_shard: -1}")
-            raise ApiError(422, "validation_failed", f"parallelism: {msg}", [("parallelism", msg)])
-        try:
-            auto = resolve_auto(spec, cluster_for_job(spec, total), total)
-        except LayoutRefused as e:
-            # Only parallelism is named: the cluster is the server's, not a field of this request.
-            problems = [("parallelism", m if f == "parallelism" else f"{f}: {m}") for f, m in e.problems]
-            lines = "; ".join(m for _, m in problems)
-            raise ApiError(422, "validation_failed", f"parallelism: auto found no layout: {lines}", problems) from e
-        spec = auto.spec
-    problems = job_problems(spec, total)
-    if problems:
-        lines = "; ".join(f"{f}: {m}" for f, m in problems)
-        raise ApiError(422, "validation_failed", f"the job cannot run: {lines}", problems)
-    return spec, auto
-
-
 SUBMIT_OPENAPI: dict[str, Any] = {
     "requestBody": {
         "required": True,
@@ -154,43 +99,29 @@ SUBMIT_OPENAPI: dict[str, Any] = {
 )
 async def submit_job(
     request: Request,
-    principal: Principal = Depends(current_principal),
-    state: AppState = Depends(get_state),
+    principal: Caller,
+    state: State,
     idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
 ) -> Response:
-    raw = await request.body()
-    data = _parse_body(raw, request.headers.get("content-type", ""))
-    spec, auto = await run_in_threadpool(_validate, data, state)
-    min_world, max_world = sizing.job_world_size(spec)
+    data = _parse_body(await request.body(), request.headers.get("content-type", ""))
     try:
-        rec, created = await run_in_threadpool(
-            state.store.create_job, spec, principal.name, min_world=min_world, max_world=max_world,
-            idempotency_key=idempotency_key or None,
-        )
+        done = await run_in_threadpool(submission.submit, state.store, state.scheduler, data, principal.name,
+                                       cluster_total=state.cluster_view(), idempotency_key=idempotency_key)
     except IdempotencyConflictError as e:
         raise ApiError(409, "conflict", str(e), [("Idempotency-Key", "reused with a different spec")]) from e
-    estimate = await run_in_threadpool(estimate_run, spec, cluster_view(state), auto.candidate if auto else None)
-    warnings = long_job_warnings(spec, estimate)
-    if created and auto is not None:
-        await run_in_threadpool(state.store.add_event, rec.id, "layout_chosen", auto.event_message(),
-                                auto.event_data())
-    for text in warnings if created else []:
-        await run_in_threadpool(state.store.add_event, rec.id, "warning", text,
-                                {"estimate": estimate.to_dict() if estimate else None})
-    if created and state.scheduler is not None:
-        state.scheduler.notify()
-    headers = {"Location": f"/v1/jobs/{rec.id}"}
-    if not created:
+    headers = {"Location": f"/v1/jobs/{done.job.id}"}
+    if not done.created:
         headers["Idempotent-Replayed"] = "true"
-    body = job_out(rec).model_copy(update={
-        "estimate": schemas.RunEstimate(**estimate.to_dict()) if estimate else None, "warnings": warnings})
-    return JSONResponse(body.model_dump(mode="json"), status_code=201 if created else 200, headers=headers)
+    est = done.estimate
+    body = job_out(done.job).model_copy(update={
+        "estimate": schemas.RunEstimate(**est.to_dict()) if est else None, "warnings": done.warnings})
+    return JSONResponse(body.model_dump(mode="json"), status_code=201 if done.created else 200, headers=headers)
 
 
 @router.get("/jobs", response_model=schemas.JobList, responses=ERRORS, summary="List jobs, newest first")
 def list_jobs(
-    principal: Principal = Depends(current_principal),
-    state: AppState = Depends(get_state),
+    principal: Caller,
+    state: State,
     status: Annotated[list[str] | None, Query(description="repeat or comma-separate: ?status=RUNNING,PENDING")] = None,
     owner: Annotated[str | None, Query(max_length=128)] = None,
     name: Annotated[str | None, Query(max_length=128)] = None,
@@ -215,9 +146,8 @@ def list_jobs(
 
 
 @router.get("/jobs/{job_id}", response_model=schemas.Job, responses=ERRORS, summary="One job, with its spec")
-def get_job(job_id: str, principal: Principal = Depends(current_principal),
-            state: AppState = Depends(get_state)) -> schemas.Job:
-    return job_out(visible_job(job_id, principal, state))
+def get_job(job: VisibleJob) -> schemas.Job:
+    return job_out(job)
 
 
 @router.post(
@@ -225,9 +155,7 @@ def get_job(job_id: str, principal: Principal = Depends(current_principal),
     responses={**ERRORS, 409: {"model": schemas.ErrorBody, "description": "the job already finished"}},
     summary="Cancel a job (queued: at once; running: its supervisor stops it)",
 )
-def cancel_job(job_id: str, principal: Principal = Depends(current_principal),
-               state: AppState = Depends(get_state)) -> schemas.Job:
-    job = visible_job(job_id, principal, state)
+def cancel_job(job_id: str, job: VisibleJob, state: State) -> schemas.Job:
     if job.status in TERMINAL - {CANCELLED}:
         raise ApiError(409, "conflict", f"job {job_id} already finished ({job.status}); nothing to cancel")
     if job.status == CANCELLED:
@@ -247,9 +175,7 @@ def cancel_job(job_id: str, principal: Principal = Depends(current_principal),
     responses={**ERRORS, 409: {"model": schemas.ErrorBody, "description": "the job has not finished"}},
     summary="Delete a finished job and its records",
 )
-def delete_job(job_id: str, principal: Principal = Depends(current_principal),
-               state: AppState = Depends(get_state)) -> Response:
-    visible_job(job_id, principal, state)
+def delete_job(job_id: str, _job: VisibleJob, state: State) -> Response:
     try:
         state.store.delete_job(job_id)
     except JobNotTerminalError as e:
@@ -274,14 +200,13 @@ def _sse(ev: Any) -> str:
 async def job_events(
     request: Request,
     job_id: str,
-    principal: Principal = Depends(current_principal),
-    state: AppState = Depends(get_state),
+    _job: VisibleJob,
+    state: State,
     after: Annotated[int, Query(ge=0, le=2**62, description="only events with a larger id")] = 0,
     limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
     follow: bool = False,
     poll_s: Annotated[float, Query(ge=0.05, le=10.0)] = 0.25,
 ) -> Any:
-    await run_in_threadpool(visible_job, job_id, principal, state)
     last_event_id = request.headers.get("last-event-id", "")
     if last_event_id.isdigit() and len(last_event_id) < 19:
         after = max(after, int(last_event_id))
@@ -321,12 +246,11 @@ async def job_events(
             summary="A job's metrics, one row a step")
 def job_metrics(
     job_id: str,
-    principal: Principal = Depends(current_principal),
-    state: AppState = Depends(get_state),
+    _job: VisibleJob,
+    state: State,
     after_step: Annotated[int, Query(ge=-1, le=2**31)] = -1,
     limit: Annotated[int, Query(ge=1, le=100000)] = 10000,
 ) -> schemas.MetricsList:
-    visible_job(job_id, principal, state)
     return schemas.MetricsList(items=state.store.metrics(job_id, after_step, limit))
 
 
@@ -346,14 +270,13 @@ def _log_line(x: Any) -> schemas.LogLine:
 async def job_logs(
     request: Request,
     job_id: str,
-    principal: Principal = Depends(current_principal),
-    state: AppState = Depends(get_state),
+    _job: VisibleJob,
+    state: State,
     after: Annotated[int, Query(ge=0, le=2**62, description="only lines with a larger id")] = 0,
     limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
     follow: bool = False,
     poll_s: Annotated[float, Query(ge=0.05, le=10.0)] = 0.25,
 ) -> Any:
-    await run_in_threadpool(visible_job, job_id, principal, state)
     last_event_id = request.headers.get("last-event-id", "")
     if last_event_id.isdigit() and len(last_event_id) < 19:
         after = max(after, int(last_event_id))
@@ -398,7 +321,5 @@ async def job_logs(
 
 @router.get("/jobs/{job_id}/checkpoints", response_model=schemas.CheckpointList, responses=ERRORS,
             summary="A job's checkpoints (both tiers), oldest first")
-def job_checkpoints(job_id: str, principal: Principal = Depends(current_principal),
-                    state: AppState = Depends(get_state)) -> schemas.CheckpointList:
-    visible_job(job_id, principal, state)
+def job_checkpoints(job_id: str, _job: VisibleJob, state: State) -> schemas.CheckpointList:
     return schemas.CheckpointList(items=[schemas.Checkpoint(**c.__dict__) for c in state.store.checkpoints(job_id)])

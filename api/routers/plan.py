@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Query, Request
 from starlette.concurrency import run_in_threadpool
 
 from api import schemas
-from api.deps import ApiError, AppState, current_principal, get_state
-from api.routers.jobs import ERRORS, SUBMIT_OPENAPI, _parse_body, cluster_view, parse_job_spec
-from service.auth import Principal
+from api.deps import ApiError, Caller, State
+from api.routers.jobs import ERRORS, SUBMIT_OPENAPI, _parse_body
+from service.submission import parse_job_spec
 
 router = APIRouter(prefix="/v1", tags=["plan"])
 
@@ -55,8 +55,8 @@ def _plan(spec: Any, total: dict[str, float] | None, gpus: int | None, gpu: str 
 )
 async def plan_job(
     request: Request,
-    principal: Principal = Depends(current_principal),
-    state: AppState = Depends(get_state),
+    _caller: Caller,
+    state: State,
     gpus: Annotated[int | None, Query(ge=1, le=65536, description="devices in all (default: the cluster's)")] = None,
     gpu: Annotated[Preset | None, Query(description="hardware preset (default: the cluster's)")] = None,
     nodes: Annotated[int | None, Query(ge=1, le=1 << 16, description="nodes (default: as few full nodes as fit)")] = None,
@@ -65,5 +65,5 @@ async def plan_job(
     cluster view need ?gpus=."""
     raw = await request.body()
     spec = parse_job_spec(_parse_body(raw, request.headers.get("content-type", "")))
-    total = await run_in_threadpool(cluster_view, state)
+    total = await run_in_threadpool(state.cluster_view)
     return await run_in_threadpool(_plan, spec, total, gpus, gpu, nodes)

@@ -225,10 +225,9 @@ def sequence_problems(model: ModelShape, train: TrainShape) -> list[LayoutProble
     return []
 
 
-def model_problems(p: Sizes, model: ModelShape, train: TrainShape) -> list[LayoutProblem]:
-    """Resolved sizes (dp_shard filled) against the model and the training setup."""
+def model_problems(model: ModelShape, train: TrainShape, *, tp: int, cp: int, ep: int, dp: int) -> list[LayoutProblem]:
+    """Resolved sizes (dp = dp_replicate × dp_shard, filled) against the model and the training setup."""
     problems: list[LayoutProblem] = []
-    tp = p.tp
     if tp > 1:
         widths = [("n_heads", model.n_heads, ""), ("n_kv_heads", model.kv_heads, " (each tp rank holds whole kv heads)"),
                   ("ffn dim (hidden_dim)", model.ffn_dim, " (the MLP width)"), ("vocab_size", model.vocab_size, "")]
@@ -237,21 +236,20 @@ def model_problems(p: Sizes, model: ModelShape, train: TrainShape) -> list[Layou
         problems += [LayoutProblem("parallelism.tp", f"tp={tp} does not divide {name}={value}{why}",
                                    f"pick a tp that divides {value}")
                      for name, value, why in widths if value % tp]
-    if p.cp > 1 and train.seq_len % (2 * p.cp):
+    if cp > 1 and train.seq_len % (2 * cp):
         problems.append(LayoutProblem(
-            "parallelism.cp", f"cp*2={2 * p.cp} does not divide training.seq_len={train.seq_len}",
+            "parallelism.cp", f"cp*2={2 * cp} does not divide training.seq_len={train.seq_len}",
             f"zigzag context parallelism cuts each sequence into 2·cp chunks: make seq_len a multiple of "
-            f"{2 * p.cp} or change cp"))
-    if p.ep > 1:
+            f"{2 * cp} or change cp"))
+    if ep > 1:
         if model.moe is None:
             problems.append(LayoutProblem("parallelism.ep",
-                                          f"ep={p.ep} needs a mixture-of-experts model (MoE: model.moe)",
+                                          f"ep={ep} needs a mixture-of-experts model (MoE: model.moe)",
                                           "set ep: 1 or give the model a moe section"))
-        elif model.moe.num_experts % p.ep:
+        elif model.moe.num_experts % ep:
             problems.append(LayoutProblem(
-                "parallelism.ep", f"ep={p.ep} does not divide moe.num_experts={model.moe.num_experts}",
+                "parallelism.ep", f"ep={ep} does not divide moe.num_experts={model.moe.num_experts}",
                 "pick an ep that divides it"))
-    dp = p.dp_replicate * p.dp_shard
     if train.global_batch_size < dp:
         problems.append(LayoutProblem(
             "training.global_batch_size",
@@ -352,9 +350,8 @@ def layout_problems(p: Schedule, model: ModelShape, train: TrainShape, world: in
     dp_shard, problems = world_problems(p, world)
     if dp_shard is None:
         return problems + sequence_problems(model, train)
-    sizes = _Sized(p.dp_replicate, dp_shard, p.cp, p.tp, p.pp, p.ep)
     dp = p.dp_replicate * dp_shard
-    problems += ep_problems(dp_shard, p.cp, p.ep) + model_problems(sizes, model, train)
+    problems += ep_problems(dp_shard, p.cp, p.ep) + model_problems(model, train, tp=p.tp, cp=p.cp, ep=p.ep, dp=dp)
     stages = p.pp_stages_per_rank if p.pp > 1 else 1
     return problems + pipeline_problems(p.pp, p.pp_schedule, stages, p.pp_microbatches, getattr(p, "pp_split", None),
                                         model, local_batch_size(train.global_batch_size, dp))
@@ -379,16 +376,6 @@ def dp_range_problems(p: Sizes, dp_min: int, dp_max: int | None) -> list[LayoutP
             "resources.dp.min", f"{dp_min} is not a multiple of parallelism.dp_replicate={p.dp_replicate}",
             "make it a multiple (whole replicas) or set dp_replicate: 1"))
     return problems
-
-
-@dataclass(frozen=True)
-class _Sized:
-    dp_replicate: int
-    dp_shard: int
-    cp: int
-    tp: int
-    pp: int
-    ep: int
 
 
 @dataclass(frozen=True)
@@ -493,7 +480,7 @@ class ParallelDims:
         rank when `parallel` is not given); raises ParallelDimsError naming every problem."""
         sched: Any = parallel if parallel is not None else _OneStage()
         stages = sched.pp_stages_per_rank if self.pp > 1 else 1
-        problems = model_problems(self, model, train) + pipeline_problems(
+        problems = model_problems(model, train, tp=self.tp, cp=self.cp, ep=self.ep, dp=self.dp) + pipeline_problems(
             self.pp, sched.pp_schedule, stages, sched.pp_microbatches, sched.pp_split, model,
             self.local_batch_size(train.global_batch_size))
         if problems:

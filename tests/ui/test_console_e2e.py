@@ -173,6 +173,10 @@ def test_console_end_to_end(browser: Any, cluster: LocalCluster, tmp_path: Path)
         page.screenshot(path=str(shots / "jobs.png"), full_page=True)
         with cp.client() as c:
             until(lambda: c.get(long_job).status == "RUNNING", 180, "the second job to run")
+            # A third job fits the cluster but not what is free while the second runs: it waits.
+            wide = {**long_spec(tmp_path / "wide"), "name": "console-wide",
+                    "resources": {"cpus_per_worker": 3, "dp": {"min": 1, "max": 1}}}
+            waiting_job = c.submit(wide).id
         nav(page, "Cluster")
         nodes = page.locator("#nodes tbody tr")
         expect(nodes.first).to_contain_text("head", timeout=15_000)
@@ -181,12 +185,20 @@ def test_console_end_to_end(browser: Any, cluster: LocalCluster, tmp_path: Path)
         expect(nodes.first).to_contain_text("console-long")
         link = page.get_by_role("link", name="Ray dashboard")
         assert link.get_attribute("href") == cluster.dashboard_url
+        queued = page.locator("#queue tbody tr").first
+        expect(queued).to_contain_text("console-wide", timeout=15_000)
+        expect(queued).to_contain_text("waiting for 3 CPU", timeout=15_000)
+        assert queued.locator("td").first.inner_text() == "1"
         no_secret_in(page, SECRET, cp.token)
         page.screenshot(path=str(shots / "cluster.png"), full_page=True)
+        with cp.client() as c:
+            c.cancel(waiting_job)
 
         # 4. Cancel the second job from its page, after the confirmation.
         page.goto(f"{url}/ui/jobs/{long_job}")
         expect(page.locator("#job-status")).to_have_text("RUNNING")
+        # Its in-memory snapshots, held by the head node's keeper.
+        expect(page.locator("#snapshots tbody")).to_contain_text("head", timeout=20_000)
         page.get_by_role("button", name="Cancel job").click()
         expect(page.locator("#confirm")).to_be_visible()
         page.screenshot(path=str(shots / "cancel-confirm.png"))

@@ -77,6 +77,10 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
     populate(store, N_JOBS)
     job, _ = store.create_job(parse_spec({"name": "with-secret", "runtime_env": {"secret_env_vars": {"TOKEN": SECRET}}}),
                               "user3", min_world=1, max_world=1)
+    # Rows as a supervisor writes them, some with an evaluation loss.
+    store.add_metrics(job.id, [{"step": s, "loss": 4.0 - s / 10, "dp": 1, "generation": 0, "tokens_per_s": 900.0,
+                                "step_time_s": 0.2, **({"eval_loss": 4.1 - s / 10} if s % 5 == 0 else {})}
+                               for s in range(1, 21)])
     srv = BackgroundServer(create_app(store, None, cluster_total={"CPU": 4.0})).start()
     try:
         yield Site(srv.url, store, store.create_token("root", "admin"), store.create_token("user3"), job.id)
@@ -195,6 +199,8 @@ def test_pages_with_10000_jobs(browser: Any, site: Site, tmp_path: Path) -> None
     assert page.locator(".admin-only").is_hidden()
     page.goto(f"{site.url}/ui/jobs/{site.secret_job}")
     expect(page.locator("#spec")).to_contain_text("**********")
+    expect(page.locator("#loss-chart")).to_have_attribute("data-points", "20")
+    expect(page.locator("#loss-chart .u-legend")).to_contain_text("eval loss")
     check_page(page, tmp_path, "job-store-only", rec_user, *secrets)
 
     nav(page, "Submit")

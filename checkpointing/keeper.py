@@ -41,7 +41,10 @@ from ray.actor import ActorHandle
 log = logging.getLogger("unbroken.keeper")
 
 NAMESPACE = "unbroken"
-NODE_RESOURCE_PREFIX = "unbroken_node_"  # optional readable node names (service.local_cluster)
+# Node resources, named here once: readable names for simulated nodes (service.local_cluster, see
+# node_name_of), and the marker of nodes meant for the control path, where supervisors run.
+NODE_RESOURCE_PREFIX = "unbroken_node_"
+CONTROL_RESOURCE = "unbroken_control"
 KEEPER_CONCURRENCY = 16
 KEEP_COMMITTED = 2
 

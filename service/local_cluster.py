@@ -35,7 +35,7 @@ FAST_FAILURE_DETECTION: dict[str, Any] = {
     "health_check_initial_delay_ms": 1000,
 }
 
-NODE_RESOURCE_PREFIX = "unbroken_node_"
+from checkpointing.keeper import CONTROL_RESOURCE, NODE_RESOURCE_PREFIX  # noqa: E402
 
 
 def free_port() -> int:
@@ -100,7 +100,7 @@ class LocalCluster:
     def start(self) -> str:
         head_args: dict[str, Any] = {
             "num_cpus": self.head_cpus,
-            "resources": {f"{NODE_RESOURCE_PREFIX}head": 1.0, **self.head_resources},
+            "resources": {f"{NODE_RESOURCE_PREFIX}head": 1.0, CONTROL_RESOURCE: 1.0, **self.head_resources},
             "object_store_memory": self.object_store_mb * 1024 * 1024,
             "temp_dir": self.temp_dir,
             "include_dashboard": self.dashboard,

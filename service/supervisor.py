@@ -25,6 +25,7 @@ import socket
 import threading
 import time
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,23 +47,6 @@ _LINGER_S = 600.0  # without a store, stay readable this long after the end (or 
 _START_GRACE_S = 2.0
 _HEARTBEAT_GAUGE_S = 1.0  # how often heartbeat ages are exported
 _LOG_FLUSH_S = 0.5  # how often the job's output lines go to the store
-
-
-def _echo_events_to_actor_log() -> None:
-    """Job events go to this actor's stdout, which Ray keeps as the supervisor's log (the dashboard's
-    actor view, `ray logs actor`, and the driver when it streams logs). Python's root logger drops
-    INFO, so the unbroken loggers get a handler of their own, once per process."""
-    import sys
-
-    logger = logging.getLogger("unbroken")
-    if any(getattr(h, "_unbroken_echo", False) for h in logger.handlers):
-        return
-    h = logging.StreamHandler(sys.stdout)
-    h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    h._unbroken_echo = True  # type: ignore[attr-defined]
-    logger.addHandler(h)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
 
 
 def rank_of(replica_pos: int, local: int, dp: int, cp_tp: int) -> int:
@@ -125,10 +109,10 @@ class Failure:
 class Supervisor:
     def __init__(self, job_id: str, spec_json: str, store_url: str | None, namespace: str = NAMESPACE) -> None:
         from service.spec import JobSpec
-        from workers.log_capture import capture_process_output
+        from workers.log_capture import capture_process_output, echo_logs_to_stdout
 
         self._output = capture_process_output()  # this actor is the job's: its output goes to the job's logs
-        _echo_events_to_actor_log()
+        echo_logs_to_stdout()
         self.job_id = job_id
         self.spec = JobSpec.model_validate_json(spec_json)
         self.spec_json = spec_json
@@ -184,7 +168,9 @@ class Supervisor:
         self._acks: dict[tuple[int, int], dict[str, Any]] = {}  # (generation, step) -> rank -> ok
         self.committed: tuple[int, int] | None = None  # the newest committed snapshot (generation, step)
         ctx = ray.get_runtime_context()
-        self.restarted = bool(ctx.was_current_actor_reconstructed)
+        with warnings.catch_warnings():  # Ray's own property uses its deprecated actor_id inside
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self.restarted = bool(ctx.was_current_actor_reconstructed)
         self._self = ctx.current_actor
         self._thread = threading.Thread(target=self._main, name="supervisor", daemon=True)
         self._thread.start()
@@ -357,8 +343,9 @@ class Supervisor:
                 self._event("supervisor_restarted", "the supervisor restarted; finding the job's workers")
                 self._adopt()
             else:
-                self._event("started", f"supervisor of job {self.job_id} started",
-                            dp_min=self.dp_min, dp_max=self.dp_max, model_parallel=self.mp)
+                self._event("started", f"The supervisor of job {self.job_id} started; the job's folder is "
+                            f"{self.output_dir}.", dp_min=self.dp_min, dp_max=self.dp_max, model_parallel=self.mp,
+                            output_dir=str(self.output_dir), checkpoint_uri=self.spec.checkpoint.uri)
                 self._start()
             self._loop()
         except JobFailed as e:
@@ -1162,8 +1149,12 @@ def launch_supervisor(job_id: str, spec: Any, *, store_url: str | None, namespac
 
     resources: dict[str, float] = {}
     with contextlib.suppress(Exception):
-        if ray.cluster_resources().get("unbroken_node_head"):
-            resources["unbroken_node_head"] = 0.001  # keep the supervisor off nodes that may be lost
+        from checkpointing.keeper import CONTROL_RESOURCE
+
+        # Supervisors go to nodes meant for the control path where the cluster has some (the KubeRay
+        # manifests' cpu group, our local clusters' head).
+        if ray.cluster_resources().get(CONTROL_RESOURCE):
+            resources[CONTROL_RESOURCE] = 0.001  # keep the supervisor off nodes that may be lost
     cls = ray.remote(Supervisor)
     return cls.options(
         name=supervisor_name(job_id), namespace=namespace, lifetime="detached",

@@ -106,7 +106,7 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
         job_id = jobs[0].id
         events = store.events(job_id)
         kinds = [e.kind for e in events]
-        assert {"failure_detected", "resized", "restored", "checkpointed", "finished", "released"} <= set(kinds)
+        assert {"failure_detected", "resized", "recovered", "checkpointed", "finished", "released"} <= set(kinds)
         shrink = next(e for e in events if e.kind == "resized")
         assert (shrink.data or {}).get("old_dp") == 4 and (shrink.data or {}).get("new_dp") == 3, shrink
         rows = store.metrics(job_id)

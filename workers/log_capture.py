@@ -102,3 +102,21 @@ def capture_process_output() -> OutputCapture:
     if _CAPTURE is None:
         _CAPTURE = OutputCapture().start()
     return _CAPTURE
+
+
+def echo_logs_to_stdout() -> None:
+    """Unbroken's loggers (`unbroken.*`) write INFO lines to stdout, once per process: in a job's actors
+    that is the job's logs (through the capture) and Ray's actor log (the dashboard, `ray logs actor`).
+    Python's root logger drops INFO, so they get a handler of their own."""
+    import logging
+    import sys
+
+    logger = logging.getLogger("unbroken")
+    if any(getattr(h, "_unbroken_echo", False) for h in logger.handlers):
+        return
+    h = logging.StreamHandler(sys.stdout)
+    h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    h._unbroken_echo = True  # type: ignore[attr-defined]
+    logger.addHandler(h)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False

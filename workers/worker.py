@@ -57,9 +57,10 @@ class WorkerOptions:
 class Worker:
     def __init__(self, name: str, engine_json: str, ckpt_json: str, options: dict[str, Any], supervisor: Any) -> None:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-        from workers.log_capture import capture_process_output
+        from workers.log_capture import capture_process_output, echo_logs_to_stdout
 
         self._output = capture_process_output()  # this process is the job's: its output goes to the job's logs
+        echo_logs_to_stdout()
         import torch
 
         from checkpointing.config import CheckpointConfig
@@ -187,6 +188,7 @@ class Worker:
         trainer = None
         tiers: _Tiers | None = None
         try:
+            t_formed = time.perf_counter()
             device = self._device(rank)
             master = self._master_store if rank == 0 else None
             info = join_group(generation, rank, world_size, host, port, device=device, timeout_s=timeout_s,
@@ -206,6 +208,10 @@ class Worker:
                 timings["restore_s"] = time.perf_counter() - t0
             self.step = trainer.step
             self.phase = "training"
+            log.info("generation %d: rank %d of %d (dp=%d) on node %s, formed in %.2fs; %s", generation, rank,
+                     world_size, dp, self.node_name, time.perf_counter() - t_formed,
+                     f"restored step {restored['step']} from {restored['source']}" if restore is not None
+                     else "starting from scratch")
             with contextlib.suppress(Exception):
                 self.supervisor.report.remote({
                     "type": "formed", "worker": self.name, "generation": generation, "rank": rank,
@@ -215,6 +221,7 @@ class Worker:
         except BaseException as e:  # noqa: BLE001 - reported to the supervisor, the process lives on
             if isinstance(e, KeyboardInterrupt | SystemExit):
                 raise
+            log.warning("generation %d, rank %d: %s: %s", generation, rank, type(e).__name__, str(e)[:500])
             result = {
                 "status": "error", "worker": self.name, "generation": generation, "rank": rank,
                 "step": trainer.step if trainer is not None else self.step, "error": f"{type(e).__name__}: {e}"[:4000],
@@ -260,6 +267,9 @@ class Worker:
             extra: dict[str, Any] = {"snapshot": snap}
             if rank == 0:
                 extra["metrics"] = metrics_line(m, generation=generation)
+                if trainer.step % self.cfg.training.log_every == 0 or trainer.step == steps:
+                    log.info("step %d/%d: loss %.4f, %.0f tokens/s, step %.3fs", trainer.step, steps, m.loss,
+                             m.tokens_per_s, m.step_time_s)
             self._beat(extra)
             stop = self._stop_at
             if stop is not None and stop[0] == generation and trainer.step >= stop[1]:

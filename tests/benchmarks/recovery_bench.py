@@ -136,7 +136,7 @@ def _ours(tmp: Path) -> dict[str, Any]:
     wall = time.time() - t0
     if st["state"] != "SUCCEEDED":
         raise RuntimeError(f"our job ended {st['state']}: {st.get('reason')}")
-    rec = next(e["data"] for e in events if e["kind"] == "restored")
+    rec = next(e["data"] for e in events if e["kind"] == "recovered")
     return {**rec, "wall_s": wall}
 
 

@@ -161,7 +161,7 @@ BROKEN: list[tuple[str, str, str, Callable[[dict[str, Any]], None], str]] = [
     ("raycluster.yaml", "RayCluster", "overwritten command without ray start",
      _set(f"{GPU}.template.spec.containers.0.args", ["sleep infinity"]), "KUBERAY_GEN_RAY_START_CMD"),
     ("raycluster.yaml", "RayCluster", "resources not quoted JSON",
-     _set("spec.workerGroupSpecs.0.rayStartParams.resources", '{"unbroken_node_head": 1}'), "resources"),
+     _set("spec.workerGroupSpecs.0.rayStartParams.resources", '{"unbroken_control": 1}'), "resources"),
     ("raycluster.yaml", "RayCluster", "old apiVersion", _set("apiVersion", "ray.io/v1alpha1"), "ray.io/v1"),
     ("rayjob.yaml", "RayJob", "entrypoint not a string", _set("spec.entrypoint", ["unbroken", "run"]), "entrypoint"),
     ("rayjob.yaml", "RayJob", "shutdown flag not a boolean", _set("spec.shutdownAfterJobFinishes", "yes"),

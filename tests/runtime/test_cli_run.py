@@ -36,7 +36,7 @@ def test_unbroken_run_recovers_and_streams_events(tmp_path: Path) -> None:
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    for kind in ("started", "failure_detected", "resized", "restored", "finished", "released"):
+    for kind in ("started", "failure_detected", "resized", "recovered", "finished", "released"):
         assert kind in proc.stderr, (kind, proc.stderr[-3000:])
     assert "SUCCEEDED" in proc.stderr
     rows = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]

@@ -46,7 +46,7 @@ def _check_recovered(run: JobRun, ref: list[dict[str, Any]], *, resizes: list[tu
     shrinks = [new for old, new in got if new < old]
     checked = [e["data"]["dp"] for e in run.of("resize_check") if e["data"]["fits"]]
     assert checked[: len(shrinks)] == shrinks, run.of("resize_check")
-    for ev in run.of("restored"):
+    for ev in run.of("recovered"):
         assert ev["data"]["lost_steps"] <= 1, ev
         for k in ("detect_s", "reform_s", "restore_s", "replay_s"):
             assert k in ev["data"]
@@ -130,7 +130,7 @@ def test_store_path_reports_status_events_metrics_and_cancel(reference: list[dic
     job = store.get_job(rec.id)
     assert job is not None and job.status == "SUCCEEDED", [(e.kind, e.message) for e in store.events(rec.id)]
     kinds = [e.kind for e in store.events(rec.id)]
-    for k in ("started", "failure_detected", "resized", "restored", "finished", "released"):
+    for k in ("started", "failure_detected", "resized", "recovered", "finished", "released"):
         assert k in kinds, kinds
     statuses = [e.message.split(":")[0] for e in store.events(rec.id) if e.kind == "status"]
     assert statuses[:3] == ["RUNNING", "RECOVERING", "RUNNING"] and statuses[-1] == "SUCCEEDED", statuses

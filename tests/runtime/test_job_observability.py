@@ -110,7 +110,7 @@ def test_running_job_metrics_actors_logs_and_tensorboard(cluster: LocalCluster, 
 
             def recovered_and_checkpointed() -> bool:
                 kinds = [e.kind for e in c.events(jid, follow=False)]
-                return "restored" in kinds and "checkpointed" in kinds and c.get(jid).status == "RUNNING"
+                return "recovered" in kinds and "checkpointed" in kinds and c.get(jid).status == "RUNNING"
 
             until(recovered_and_checkpointed, 300, "the job to recover from the kill and checkpoint", every_s=1.0)
 

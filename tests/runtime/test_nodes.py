@@ -53,7 +53,7 @@ def test_node_loss_shrinks_then_a_new_node_grows_it_back(nodes_cluster: LocalClu
         # Shrink to the two workers left, then grow back to 4 (in one step or as replicas get ready).
         assert resizes[0] == (4, 2) and resizes[-1][1] == 4, resizes
         assert all(e["data"]["cause"] == "growth" for e in run.of("resized")[1:])
-        for ev in run.of("restored"):
+        for ev in run.of("recovered"):
             assert ev["data"]["lost_steps"] <= 1, ev
         assert_same_losses(run.rows(), ref)
     finally:

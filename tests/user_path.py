@@ -1,0 +1,190 @@
+"""The user's path, for end-to-end tests: a Ray cluster started with `ray start` (plain, or with the
+KubeRay manifests' rayStartParams), and a real `unbroken serve` process in front of it.
+
+Every process is started in a session of its own and stopped by PID at the end (found by session id
+and by this cluster's private temp dir), never by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from service.local_cluster import FAST_FAILURE_DETECTION, free_port
+
+REPO = Path(__file__).resolve().parents[1]
+UNBROKEN = str(Path(sys.executable).with_name("unbroken"))
+RAY = str(Path(sys.executable).with_name("ray"))
+
+
+def _session_pids(sid: int) -> set[int]:
+    out = set()
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid:
+                out.add(int(d.name))
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def stop_sessions(sids: list[int], marker: str) -> None:
+    """SIGTERM then SIGKILL every process of these sessions or naming `marker` (our temp dir)."""
+
+    def ours() -> set[int]:
+        found: set[int] = set()
+        for sid in sids:
+            found |= _session_pids(sid)
+        return found | {int(p) for p in os.listdir("/proc") if p.isdigit() and marker in _cmdline(int(p))}
+
+    mine = {os.getpid(), os.getsid(0)}  # never this test process or its session
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for p in ours() - mine:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, sig)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and ours() - mine:
+            time.sleep(0.3)
+
+
+def manifest_start_params() -> tuple[dict[str, str], dict[str, str]]:
+    """(head, cpu worker group) rayStartParams of deploy/kuberay/raycluster.yaml."""
+    rc = next(d for d in yaml.safe_load_all((REPO / "deploy" / "kuberay" / "raycluster.yaml").read_text())
+              if d and d["kind"] == "RayCluster")
+    head = dict(rc["spec"]["headGroupSpec"]["rayStartParams"])
+    cpu = next(g for g in rc["spec"]["workerGroupSpecs"] if g["groupName"] == "cpu")
+    return head, dict(cpu["rayStartParams"])
+
+
+def _flags(params: dict[str, str]) -> list[str]:
+    """rayStartParams as `ray start` flags, the way KubeRay writes them (values as given; JSON quoted once)."""
+    out = []
+    for k, v in params.items():
+        if k == "dashboard-host":
+            v = "127.0.0.1"  # the manifest's 0.0.0.0 is for a pod; here: loopback only
+        if k == "resources":
+            v = json.loads(v) if v.startswith('"') else v  # KubeRay strips one level of quoting
+        out.append(f"--{k}={v}")
+    return out
+
+
+class RayStartCluster:
+    """A head and worker "nodes" started with `ray start --block` on private ports and temp dir.
+
+    A plain multi-node Ray cluster as on any Linux machines: on the machine's own address (not our
+    embedded clusters' loopback mode), every node a raylet of its own. Token auth is off for this
+    private cluster (tests/deploy/test_head_script.py does the same); node death is seen in seconds.
+    """
+
+    def __init__(self, *, head: dict[str, str] | None = None) -> None:
+        self.temp = tempfile.mkdtemp(prefix="ubrs-", dir="/tmp")  # short: Ray's socket paths
+        self.port = free_port()
+        self.sids: list[int] = []
+        self.procs: list[subprocess.Popen[bytes]] = []
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
+        self.env = {**env, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1",
+                    **{f"RAY_{k}": str(v) for k, v in FAST_FAILURE_DETECTION.items()}}
+        head = dict(head if head is not None else {"num-cpus": "0"})
+        self._start("head", ["--head", f"--port={self.port}", f"--temp-dir={self.temp}",
+                             f"--dashboard-port={free_port()}", "--include-dashboard=false",
+                             f"--ray-client-server-port={free_port()}", *_flags(head)])
+        self.address = self._head_address()
+
+    def _head_address(self, timeout: float = 180.0) -> str:
+        """The head's address as `ray start` wrote it (the machine's address and our port)."""
+        f = Path(self.temp) / "ray_current_cluster"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if f.exists() and f.read_text().strip():
+                return f.read_text().strip().splitlines()[0]
+            if self.procs[0].poll() is not None:
+                break
+            time.sleep(0.5)
+        raise AssertionError(f"ray start --head did not come up: {(Path(self.temp) / 'head.log').read_text()[-2000:]}")
+
+    def _start(self, name: str, args: list[str]) -> None:
+        log = open(Path(self.temp) / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
+        p = subprocess.Popen([RAY, "start", "--block", "--disable-usage-stats", *args], stdout=log,
+                             stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+        self.procs.append(p)
+        self.sids.append(p.pid)
+
+    def add_node(self, name: str, num_cpus: int, params: dict[str, str] | None = None) -> None:
+        self._start(name, [f"--address={self.address}", f"--num-cpus={num_cpus}",
+                           f"--object-store-memory={200 * 1024 * 1024}", *_flags(params or {})])
+
+    def wait_nodes(self, n: int, timeout: float = 180.0) -> None:
+        """Until `n` nodes are alive (asked by one throwaway driver process)."""
+        code = (f"import ray, time; ray.init(address={self.address!r}, log_to_driver=False)\n"
+                f"end = time.monotonic() + {timeout}\n"
+                f"while sum(1 for x in ray.nodes() if x['Alive']) < {n} and time.monotonic() < end: time.sleep(1)\n"
+                "print(sum(1 for x in ray.nodes() if x['Alive']))")
+        r = subprocess.run([sys.executable, "-c", code], env=self.env, capture_output=True, text=True,
+                           timeout=timeout + 120)
+        last = (r.stdout.strip().splitlines() or [""])[-1]
+        if not (last.isdigit() and int(last) >= n):
+            raise AssertionError(f"{n} Ray nodes not alive after {timeout:g}s (saw {last!r}): {r.stderr[-1500:]}")
+
+    def stop(self) -> None:
+        stop_sessions(self.sids, self.temp)
+
+
+class Serve:
+    """`unbroken serve --address <cluster>` as a user runs it, with its own UNBROKEN_HOME."""
+
+    def __init__(self, home: Path, *, address: str | None, env: dict[str, str], extra: list[str] = ()) -> None:
+        self.home = home
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env = {**env, "UNBROKEN_HOME": str(home)}
+        args = [UNBROKEN, "serve", "--port", str(self.port), *extra]
+        if address:
+            args += ["--address", address]
+        self.log = home / "serve.log"
+        home.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=self.env,
+                                         start_new_session=True)
+
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"unbroken serve exited {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.url + "/healthz", timeout=5).status_code == 200 and (self.home / "token").exists():
+                    return
+            time.sleep(1)
+        raise AssertionError(f"unbroken serve not ready after {timeout:g}s:\n{self.log.read_text()[-3000:]}")
+
+    def client(self) -> Any:
+        from api.client import Client
+
+        token = json.loads((self.home / "token").read_text())["token"]
+        return Client(self.url, token)
+
+    def cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([UNBROKEN, *args], env=self.env, capture_output=True, text=True, timeout=timeout)
+
+    def stop(self) -> None:
+        stop_sessions([self.proc.pid], f"--port {self.port}")

@@ -85,15 +85,17 @@ class Sessions:
 
 
 def same_origin(request: Request) -> bool:
-    """The browser's Origin (else Referer), when it sends one, is this server's own origin."""
+    """The browser's Origin (else Referer), when it sends one, names this server's host.
+
+    The host (with its port) is compared, not the scheme: behind a proxy that ends TLS the server
+    sees http while the browser says https."""
     source = request.headers.get("origin") or request.headers.get("referer")
     if not source:
         return True  # not a browser cross-site request: browsers send Origin on cross-site POSTs
     parts = urlsplit(source)
-    if source == "null" or not parts.scheme or not parts.netloc:
+    if source == "null" or parts.scheme not in ("http", "https") or not parts.netloc:
         return False
-    host = request.headers.get("host", "")
-    return parts.netloc.lower() == host.lower() and parts.scheme == request.url.scheme
+    return parts.netloc.lower() == request.headers.get("host", "").lower()
 
 
 def csrf_problem(request: Request, sess: Session, submitted: str | None) -> str | None:
@@ -109,6 +111,6 @@ def csrf_problem(request: Request, sess: Session, submitted: str | None) -> str 
 
 
 def cookie_secure(request: Request) -> bool:
-    """Mark cookies Secure when the console is served over HTTPS (behind a trusted proxy, uvicorn's
-    proxy headers set the scheme)."""
-    return request.url.scheme == "https"
+    """Mark cookies Secure when the browser reaches the console over HTTPS (directly, or through a
+    proxy that ends TLS and says so; a forged header only keeps the cookie off plain HTTP)."""
+    return request.url.scheme == "https" or request.headers.get("x-forwarded-proto", "").lower() == "https"

@@ -217,3 +217,27 @@ def test_every_v1_address_in_the_scripts_is_documented(server: Server) -> None:
     assert {"/v1/jobs", "/v1/cluster", "/v1/plan"} <= set(paths)
     bad = [p for p in paths if undocumented([("GET", p)], openapi) and undocumented([("POST", p)], openapi)]
     assert not bad, f"the console names undocumented routes: {bad}"
+
+
+def test_behind_a_proxy_that_ends_tls(server: Server) -> None:
+    """The browser says https://host while the server sees http: same host, so allowed; the
+    cookie is marked Secure when the proxy says the browser used HTTPS."""
+    host = server.url.split("://", 1)[1]
+    c = httpx.Client(base_url=server.url)
+    page = c.get("/ui/login")
+    field = re.search(r'name="login_csrf" value="([^"]+)"', page.text)
+    assert field
+    r = c.post("/ui/login", data={"token": server.alice, "login_csrf": field.group(1)},
+               headers={"Origin": f"https://{host}", "X-Forwarded-Proto": "https"})
+    assert r.status_code == 303
+    cookie = next(h for h in r.headers.get_list("set-cookie") if h.startswith(f"{COOKIE}="))
+    assert "secure" in [a.strip().lower() for a in cookie.split(";")]
+    sid = cookie.split(";", 1)[0].split("=", 1)[1]
+    s = httpx.Client(base_url=server.url, cookies={COOKIE: sid})
+    csrf = re.search(r'<meta name="csrf-token" content="([^"]+)">', s.get("/ui/jobs").text)
+    assert csrf
+    job, _ = server.store.create_job(parse_spec({"name": "proxied"}), "alice", min_world=1, max_world=1)
+    ok = s.post(f"/v1/jobs/{job.id}/cancel", headers={CSRF_HEADER: csrf.group(1), "Origin": f"https://{host}"})
+    assert ok.status_code == 200
+    other = s.post(f"/v1/jobs/{job.id}/cancel", headers={CSRF_HEADER: csrf.group(1), "Origin": f"https://x.{host}"})
+    assert other.status_code == 403

@@ -52,8 +52,10 @@ model:
 data:
   kind: text
   path: {data}
+  eval: {{split: 0.05, sequences: 8}}
 training:
   steps: {STEPS}
+  eval_every: 10
   seq_len: 64
   global_batch_size: 8
   lr: 0.003
@@ -159,6 +161,8 @@ def test_console_end_to_end(browser: Any, cluster: LocalCluster, tmp_path: Path)
         expect(page.locator("#job-status")).to_have_text("SUCCEEDED", timeout=240_000)
         expect(page.locator("#checkpoints tbody tr:not(.empty)").first).to_be_visible(timeout=30_000)
         until(lambda: points(page) == STEPS, 30, "every step on the chart")
+        # The held-out loss (data.eval, every 10 steps) is its own series.
+        expect(page.locator("#loss-chart .u-legend")).to_contain_text("eval loss")
         expect(page.locator("#live")).to_be_hidden()
         assert "generation 1" in page.locator("#markers").inner_text()
         page.screenshot(path=str(shots / "job.png"), full_page=True)

@@ -114,12 +114,14 @@ function bandPlugin() {
     hooks: {
       drawClear: [(u) => {
         const { ctx } = u;
-        const { top, height } = u.bbox;
+        const { left, top, width, height } = u.bbox;
         ctx.save();
         ctx.font = `${Math.round(11 * devicePixelRatio)}px system-ui, sans-serif`;
         bands().forEach((b, i) => {
-          const x0 = u.valToPos(b.from - 0.5, "x", true);
-          const x1 = u.valToPos(b.to + 0.5, "x", true);
+          // Half a step either side, kept inside the plotting area.
+          const x0 = Math.max(left, u.valToPos(b.from - 0.5, "x", true));
+          const x1 = Math.min(left + width, u.valToPos(b.to + 0.5, "x", true));
+          if (x1 <= x0) return;
           ctx.fillStyle = i % 2 ? "rgba(11, 87, 208, 0.07)" : "rgba(11, 87, 208, 0.15)";
           ctx.fillRect(x0, top, x1 - x0, height);
           ctx.fillStyle = "#1b1f24";

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from parallel.dims import parallelism_problems, stages_per_rank
 
@@ -62,11 +62,32 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
         vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, hidden_dim=14336,
         rope_theta=1000000.0, moe=dict(num_experts=8, top_k=2),
     ),
+    "qwen2.5-0.5b": dict(
+        family="qwen2", vocab_size=151936, dim=896, n_layers=24, n_heads=14, n_kv_heads=2, hidden_dim=4864,
+        rope_theta=1000000.0, norm_eps=1e-6, max_seq_len=32768, tie_embeddings=True,
+    ),
+    "qwen3-0.6b": dict(
+        family="qwen3", vocab_size=151936, dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128,
+        hidden_dim=3072, rope_theta=1000000.0, norm_eps=1e-6, max_seq_len=40960, tie_embeddings=True,
+    ),
+    "mistral-7b": dict(
+        family="mistral", vocab_size=32768, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, hidden_dim=14336,
+        rope_theta=1000000.0, max_seq_len=32768,
+    ),
 }
+
+ModelFamily = Literal["llama", "mistral", "qwen2", "qwen3", "mixtral"]
 
 
 class ModelConfig(_Strict):
-    """A Llama-style decoder (RMSNorm, RoPE, GQA, SwiGLU); with `moe` set, Mixtral-style."""
+    """A Llama-style decoder (RMSNorm, RoPE, GQA, SwiGLU); with `moe` set, Mixtral-style; with q/k/v
+    biases, Qwen2-style; with q/k RMSNorm (and often a head_dim of its own), Qwen3-style.
+
+    `family` names the Hugging Face architecture `init_from` reads and `export-hf` writes; unset, it
+    follows from the shape (moe: mixtral, qk_norm: qwen3, qkv_bias: qwen2, else llama), and a family
+    sets its features (qwen2: qkv_bias, qwen3: qk_norm). After validation family, qkv_bias, qk_norm
+    and head_dim always hold their resolved values.
+    """
 
     preset: str | None = Field(None, description=f"one of {sorted(MODEL_PRESETS)}; other fields override it")
     vocab_size: int = Field(256, ge=2)
@@ -81,6 +102,10 @@ class ModelConfig(_Strict):
     rope_theta: float = Field(10000.0, gt=0)
     max_seq_len: int = Field(4096, ge=1)
     tie_embeddings: bool = False
+    head_dim: int | None = Field(None, ge=2, description="attention head width; default: dim / n_heads")
+    qkv_bias: bool | None = Field(None, description="biases on the q/k/v projections (Qwen2); default: the family's")
+    qk_norm: bool | None = Field(None, description="RMSNorm of each q/k head before RoPE (Qwen3); default: the family's")
+    family: ModelFamily | None = Field(None, description="the Hugging Face architecture; default: from the shape")
     moe: MoEConfig | None = None
     init_seed: int = Field(0, description="weights depend on this seed alone, never on the layout")
     init_from: str | None = Field(None, description="a Hugging Face folder (export-hf output) to start from")
@@ -95,25 +120,48 @@ class ModelConfig(_Strict):
             return {**MODEL_PRESETS[name], **data}
         return data
 
+    # Which of the resolved fields were derived (not given): re-derived when the config changes.
+    _derived: frozenset[str] = PrivateAttr(default=frozenset())
+
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
-        if self.dim % self.n_heads:
-            raise ValueError(f"n_heads={self.n_heads} does not divide dim={self.dim}; pick a divisor of dim")
-        if (self.dim // self.n_heads) % 2:
-            raise ValueError(f"head_dim={self.dim // self.n_heads} must be even for RoPE; change dim or n_heads")
+        derived = set(self._derived) | {f for f in ("head_dim", "qkv_bias", "qk_norm", "family")
+                                       if self.__dict__[f] is None}
+        if "head_dim" in derived:
+            if self.dim % self.n_heads:
+                raise ValueError(f"n_heads={self.n_heads} does not divide dim={self.dim}; pick a divisor of dim "
+                                 "(or give head_dim)")
+            self.__dict__["head_dim"] = self.dim // self.n_heads
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE; change dim, n_heads or head_dim")
         if self.n_heads % self.kv_heads:
             raise ValueError(
                 f"n_kv_heads={self.kv_heads} does not divide n_heads={self.n_heads}; pick a divisor of n_heads"
             )
+        given_family = None if "family" in derived else self.family
+        if given_family is None:
+            family = ("mixtral" if self.moe is not None else "qwen3" if self.qk_norm and "qk_norm" not in derived
+                      else "qwen2" if self.qkv_bias and "qkv_bias" not in derived else "llama")
+        else:
+            family = given_family
+        wants = {"qwen2": {"qkv_bias": True, "qk_norm": False}, "qwen3": {"qkv_bias": False, "qk_norm": True}}
+        for feature in ("qkv_bias", "qk_norm"):
+            want = wants.get(family, {}).get(feature, False)
+            if feature in derived:
+                self.__dict__[feature] = want
+            elif self.__dict__[feature] != want:
+                raise ValueError(f"model.{feature}={self.__dict__[feature]} but the {family} family has "
+                                 f"{feature}={want}; drop {feature} or choose another family")
+        if (family == "mixtral") != (self.moe is not None):
+            raise ValueError("model.family=mixtral needs model.moe, and model.moe needs family mixtral; "
+                             "set both or neither")
+        self.__dict__["family"] = family
+        self._derived = frozenset(derived)
         return self
 
     @property
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
 
     @property
     def ffn_dim(self) -> int:

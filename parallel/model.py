@@ -1,4 +1,6 @@
-"""A Llama-style decoder: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU.
+"""A Llama-style decoder: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU; with the
+features of the Qwen families as options: q/k/v biases (Qwen2), an RMSNorm of each q/k head before
+the rotary embedding and a head width of its own (Qwen3). Mistral is Llama's shape.
 
 Written so the parallel layouts can rewrite it in place, as torchtitan does:
 - head counts are read from the tensors at run time (`view(..., -1, head_dim)`), so a
@@ -76,10 +78,14 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = cfg.head_dim
         self.n_rep = cfg.n_heads // cfg.kv_heads
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
+        bias = bool(cfg.qkv_bias)
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=bias)
+        self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=bias)
+        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        # Qwen3: each head's q and k normalised over head_dim (one weight shared by the heads).
+        self.q_norm: nn.RMSNorm | None = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm: nn.RMSNorm | None = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.attn_fn: AttentionFn = causal_sdpa
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -88,6 +94,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(bs, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bs, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bs, seqlen, -1, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.n_rep > 1:
             k = k.repeat_interleave(self.n_rep, dim=2)
@@ -192,6 +200,8 @@ def _param_seed(seed: int, name: str) -> int:
 def _init_value(name: str, shape: torch.Size, cfg: ModelConfig, seed: int) -> torch.Tensor:
     if name.endswith("norm.weight"):
         return torch.ones(shape)
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
     gen = torch.Generator().manual_seed(_param_seed(seed, name))
     std = 0.02
     if name.endswith(("wo.weight", "w2.weight", "experts.w2")):

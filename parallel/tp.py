@@ -68,6 +68,11 @@ def apply_tp(
         if sp:
             plan["attention_norm"] = SequenceParallel()
             plan["ffn_norm"] = SequenceParallel()
+        if getattr(block.attention, "q_norm", None) is not None:
+            # Qwen3's per-head q/k norms see this rank's heads (dim 2 of (batch, seq, heads, head_dim)):
+            # their weights become replicated DTensors, so the gradient sums over every rank's heads.
+            plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+            plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         if getattr(block, "moe_enabled", False):
             # A MoE layer runs replicated over tp on the gathered sequence (its experts are split
             # by expert parallelism instead); parallel.ep owns that plan.

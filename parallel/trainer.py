@@ -151,11 +151,7 @@ class Trainer:
             )
         init_device = torch.device("cpu") if (self.fsdp and p.cpu_offload) else self.device
         init_weights(model, cfg.model, device=init_device)
-        if cfg.model.init_from and cfg.model.moe is not None:
-            from parallel.hf_mixtral import load_mixtral_weights  # MoE models come from Mixtral folders
-
-            load_mixtral_weights(model, cfg.model, cfg.model.init_from)
-        elif cfg.model.init_from:
+        if cfg.model.init_from:
             from parallel.hf import load_hf_weights  # lazy: safetensors only when asked for
 
             load_hf_weights(model, cfg.model, cfg.model.init_from)

@@ -70,10 +70,14 @@ def export_hf_cmd(
         None, "--endpoint-url", help="S3 endpoint, e.g. http://127.0.0.1:8333 (or AWS_ENDPOINT_URL)"
     ),
     region: str | None = typer.Option(None, "--region", help="S3 region (or AWS_REGION)"),
+    tokenizer: str | None = typer.Option(
+        None, "--tokenizer", help="a tokenizer.json or folder (e.g. a prepared data set's tokenizer/) to write beside "
+        "the weights, so AutoTokenizer loads the folder too",
+    ),
 ) -> None:
-    """Export a run's final weights or a checkpoint's model as a Hugging Face folder
-    (LlamaForCausalLM; MixtralForCausalLM for MoE models)."""
-    from parallel.hf import HFInteropError, export_hf
+    """Export a run's final weights or a checkpoint's model as a Hugging Face folder of the model's
+    family (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM)."""
+    from parallel.hf import HFInteropError, export_hf, hf_config_dict
     from workers.export_resolver import resolve_export_source
     from workers.export_source import ExportOptions, ExportSourceError
 
@@ -81,14 +85,15 @@ def export_hf_cmd(
                          model_config=str(model_config) if model_config is not None else None)  # fmt: skip
     try:
         found = resolve_export_source(source, opts)
-        export_hf(found.state, found.model, str(out_dir))
-    except (ExportSourceError, HFInteropError) as e:
+        export_hf(found.state, found.model, str(out_dir), tokenizer=tokenizer)
+    except (ExportSourceError, HFInteropError, ValueError) as e:
         _fail(str(e), EXIT_INVALID)
     for note in found.notes:
         typer.secho(f"note: {note}", fg=typer.colors.YELLOW, err=True)
-    arch = "MixtralForCausalLM" if found.model.moe is not None else "LlamaForCausalLM"
+    arch = hf_config_dict(found.model)["architectures"][0]
     typer.echo(f"exported {found.origin}")
-    typer.echo(f"wrote {out_dir}/config.json and {out_dir}/model.safetensors ({arch})")
+    typer.echo(f"wrote {out_dir}/config.json and {out_dir}/model.safetensors ({arch})"
+               + (f" and the tokenizer ({tokenizer})" if tokenizer else ""))
 
 
 def register(app: typer.Typer) -> None:

@@ -19,6 +19,14 @@ from parallel.data.types import DataError
 
 
 def _check_source(cfg: DataConfig, prefix: str, engine: EngineConfig) -> list[str]:
+    try:
+        return _source_problems(cfg, prefix, engine)
+    except (OSError, ValueError) as e:  # a path the OS refuses (a NUL byte, too long, no permission)
+        return [str(e) if isinstance(e, DataError) else f"{prefix}.path={cfg.path!r} cannot be read ({e}); "
+                "point it at readable local data"]
+
+
+def _source_problems(cfg: DataConfig, prefix: str, engine: EngineConfig) -> list[str]:
     vocab = engine.model.vocab_size
     seq_len = engine.training.seq_len
     if cfg.kind == "synthetic":

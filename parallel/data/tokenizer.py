@@ -209,7 +209,7 @@ def load_tokenizer(path: str | None, eos_token: str | None = None, field: str = 
     p = Path(path).expanduser()
     try:
         mtime = (p / TOKENIZER_FILE if p.is_dir() else p).stat().st_mtime
-    except OSError:
+    except (OSError, ValueError):  # missing, or a path the OS refuses: HFTokenizer says which
         mtime = 0.0
     return _load(str(p.resolve()) if p.exists() else path, eos_token, field, mtime)
 

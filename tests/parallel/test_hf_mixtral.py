@@ -8,9 +8,8 @@ import pytest
 import torch
 
 from parallel.config import ModelConfig
-from parallel.hf import HFInteropError
+from parallel.hf import HFInteropError, export_hf
 from parallel.hf_mixtral import (
-    export_mixtral,
     load_mixtral_state_dict,
     load_mixtral_weights,
     mixtral_config_dict,
@@ -32,7 +31,7 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path: Path) -> No
     transformers = pytest.importorskip("transformers")
     cfg = _cfg()
     ours = _model(cfg)
-    export_mixtral(ours.state_dict(), cfg, str(tmp_path))
+    export_hf(ours.state_dict(), cfg, str(tmp_path))
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), torch_dtype=torch.float32).eval()
     assert type(hf).__name__ == "MixtralForCausalLM"
     tokens = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -43,7 +42,7 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path: Path) -> No
 def test_round_trip_and_load_into_a_model(tmp_path: Path) -> None:
     cfg = _cfg()
     src = _model(cfg)
-    export_mixtral(src.state_dict(), cfg, str(tmp_path))
+    export_hf(src.state_dict(), cfg, str(tmp_path))
     state, got_cfg = load_mixtral_state_dict(str(tmp_path))
     assert got_cfg.moe is not None and got_cfg.moe.num_experts == 4 and got_cfg.moe.aux_loss_coef == 0.02
     for name, t in src.state_dict().items():
@@ -61,7 +60,7 @@ def test_unexportable_models_are_refused(tmp_path: Path) -> None:
     with pytest.raises(HFInteropError, match="model.moe is not set"):
         mixtral_config_dict(ModelConfig(preset="tiny"))
     cfg = _cfg()
-    export_mixtral(_model(cfg).state_dict(), cfg, str(tmp_path))
+    export_hf(_model(cfg).state_dict(), cfg, str(tmp_path))
     other = ModelConfig(preset="mixtral-tiny", moe={"num_experts": 2, "top_k": 2})
-    with pytest.raises(HFInteropError, match="num_experts=2 but the checkpoint has 4"):
+    with pytest.raises(HFInteropError, match="moe.num_experts: job has 2, checkpoint has 4"):
         load_mixtral_weights(build_model(other, device="cpu"), other, str(tmp_path))

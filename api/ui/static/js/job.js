@@ -284,7 +284,8 @@ function onEvents(batch) {
     S.events.push(ev);
     S.lastEventId = Math.max(S.lastEventId, ev.id);
     renderEvent(ev);
-    if (RECOVERY_KINDS.has(ev.kind)) announce(`Job recovered: ${ev.message}`);
+    // Only what a user waits for is read out; the list itself stays quiet.
+    if (RECOVERY_KINDS.has(ev.kind) || ev.kind === "failure_detected" || ev.kind === "status") announce(`${ev.kind}: ${ev.message}`);
   }
   renderMarkers();
   renderRecoveries();

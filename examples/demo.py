@@ -3,9 +3,10 @@
 Everything runs on this machine, private to the demo, and is stopped when it ends (also on
 Ctrl-C or an error):
 
-1. a Ray cluster of two nodes (head and "b") on 127.0.0.1, with the Ray dashboard;
+1. a Ray cluster of two nodes started as a user starts one (`ray start --head`, `ray start --address`);
 2. a local S3 server (SeaweedFS) with a bucket for the persistent checkpoints;
-3. the Unbroken control plane: REST API, scheduler, SQLite job store, on a free port;
+3. the Unbroken control plane as a user starts it: `unbroken serve --address <the cluster>` (REST API,
+   web console, scheduler, SQLite job store), on a free port;
 4. a job submitted through the SDK (examples/demo_job.yaml): a Llama-style model learns the
    Python standard library's own source, byte-level, on 4 workers (FSDP), with an in-memory
    snapshot every step, an S3 checkpoint every 10 steps, and one worker killed at step 15;
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -90,7 +92,6 @@ def job_spec(run_dir: Path, s3: Any, steps: int | None, kill_step: int | None) -
     """examples/demo_job.yaml with this machine's data path, output folder and S3 server filled in."""
     data = yaml.safe_load(JOB_FILE.read_text(encoding="utf-8"))
     data["data"]["path"] = sysconfig.get_paths()["stdlib"]
-    data["training"]["output_dir"] = str(run_dir / "job")
     data["checkpoint"]["uri"] = f"s3://{BUCKET}/demo"
     data["checkpoint"]["s3"] = {
         "endpoint_url": s3.endpoint_url, "region": "us-east-1",
@@ -116,8 +117,10 @@ EVENT_STYLE = {
     "failure_detected": ("FAILURE", "bold red"),
     "resized": ("RESIZE", "bold yellow"),
     "growing": ("GROW", "yellow"),
-    "restored": ("RECOVERED", "bold green"),
-    "fallback": ("FALLBACK", "bold yellow"),
+    "recovered": ("RECOVERED", "bold green"),
+    "recovery_interrupted": ("INTERRUPTED", "bold yellow"),
+    "warning": ("WARNING", "bold yellow"),
+    "checked": ("CHECKED", "dim"),
     "checkpointed": ("CHECKPOINT", "cyan"),
     "checkpoint_failed": ("CKPT FAILED", "bold red"),
     "generation": ("GENERATION", "bold"),
@@ -167,19 +170,19 @@ class LiveView:
     def out(self) -> Console:
         return self.bar.console if self.bar is not None else self.console
 
-    def update(self, job: Any) -> None:
-        p = job.progress
+    def update(self, p: Any) -> None:
+        """`p`: the SDK's JobProgress."""
         step = p.step or 0
         loss = f"{p.loss:.3f}" if p.loss is not None else "-"
         tps = f"{p.tokens_per_s:,.0f}" if p.tokens_per_s is not None else "-"
         dp = p.dp if p.dp is not None else "-"
         if self.bar is not None:
-            self.bar.update(self._task, completed=step, status=job.status, loss=loss, tps=tps, dp=dp,
+            self.bar.update(self._task, completed=step, status=p.status, loss=loss, tps=tps, dp=dp,
                             rec=p.recoveries)
         elif step >= self._last_plain + 5 or (step == self.total and step != self._last_plain):
             self._last_plain = step
             self.console.print(f"          [bold]progress[/bold]    step {step}/{self.total}  loss {loss}  "
-                               f"{tps} tok/s  dp {dp}  recoveries {p.recoveries}  ({job.status})", highlight=False)
+                               f"{tps} tok/s  dp {dp}  recoveries {p.recoveries}  ({p.status})", highlight=False)
 
     def __exit__(self, *exc: object) -> None:
         if self.bar is not None:
@@ -203,11 +206,12 @@ def follow_job(client: Any, job_id: str, total: int, console: Console, t0: float
                 got.append(ev)
 
     with LiveView(console, total) as view:
-        def on_poll(job: Any) -> None:
+        def on_poll(progress: Any) -> None:
             drain(view.out)
-            view.update(job)
+            view.update(progress)
 
-        job = client.wait(job_id, timeout=timeout_s, progress_callback=on_poll, poll_s=0.5)
+        job = client.wait(job_id, timeout=timeout_s, progress_callback=on_poll, poll_s=0.5,
+                          raise_on_failure=False)  # a failed job is summarised like any other
     # The supervisor's last words (release of workers and keeper memory) land just after the end.
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
@@ -256,7 +260,7 @@ def summarize(console: Console, client: Any, job: Any, s3: Any, run_dir: Path) -
         if ev.kind == "failure_detected":
             console.print(f"[bold red]failure[/bold red]   {ev.message} ({(ev.data or {}).get('kind')})",
                           highlight=False)
-        if ev.kind == "restored":
+        if ev.kind == "recovered":
             d = ev.data or {}
             s = {k: "n/a" if d.get(k) is None else f"{d[k]:.2f}s"
                  for k in ("total_s", "detect_s", "reform_s", "restore_s", "replay_s")}
@@ -275,15 +279,18 @@ def summarize(console: Console, client: Any, job: Any, s3: Any, run_dir: Path) -
         console.print(f"  step {c.step:>4}  {c.tier:<10}  {c.uri}", highlight=False)
     listing: dict[str, list[int]] = {}
     paginator = s3.client().get_paginator("list_objects_v2")
-    for page in paginator.paginate(Bucket=BUCKET, Prefix="demo/"):
+    prefix = f"demo/{job.id}/"  # each job writes under <checkpoint.uri>/<job-id>
+    for page in paginator.paginate(Bucket=BUCKET, Prefix=prefix):
         for obj in page.get("Contents", []):
-            top = obj["Key"].split("/")[1] if "/" in obj["Key"] else obj["Key"]
+            top = obj["Key"][len(prefix):].split("/")[0]
             listing.setdefault(top, []).append(int(obj["Size"]))
-    console.print(f"in S3 at s3://{BUCKET}/demo/ (keep_last=3; older ones were deleted by retention):")
+    console.print(f"in S3 at s3://{BUCKET}/{prefix} (keep_last=3; older ones were deleted by retention):")
     for name, sizes in sorted(listing.items()):
         console.print(f"  {name:<24} {len(sizes):>3} objects, {sum(sizes) / 1e6:6.2f} MB", highlight=False)
 
-    metrics_path = run_dir / "job" / "metrics.jsonl"
+    started = next((e for e in events if e.kind == "started" and e.data), None)
+    folder = Path(started.data["output_dir"]) if started is not None else run_dir
+    metrics_path = folder / "metrics.jsonl"
     n = len(metrics_path.read_text().splitlines()) if metrics_path.exists() else 0
     console.print(f"\nmetrics.jsonl: {metrics_path} ({n} lines, one a step)", highlight=False)
 
@@ -396,27 +403,25 @@ def _step(console: Console, what: str, fn: Callable[[], Any]) -> Any:
 def _run(args: argparse.Namespace, steps: int, kill: int, console: Console, run_dir: Path, home: Path,
          ray_tmp: str, stack: contextlib.ExitStack, started: dict[tuple[int, int], str]) -> int:
     # ---- 1. Ray
-    section(console, 1, "A Ray cluster of two nodes on 127.0.0.1")
-    from service.local_cluster import LocalCluster  # sets Ray's loopback mode before Ray is imported
+    section(console, 1, "A Ray cluster of two nodes, started as a user starts one (ray start)")
+    from examples.user_cluster import RayStartCluster, Serve
 
-    cluster = LocalCluster(head_cpus=HEAD_CPUS, dashboard=True, temp_dir=ray_tmp)
+    cluster = RayStartCluster(head={"num-cpus": str(HEAD_CPUS)}, temp=ray_tmp)
 
     def stop_cluster() -> None:
         started.update(descendants(os.getpid()))  # Ray's workers too, to check they are gone after
         t = time.monotonic()
-        cluster.shutdown()
+        cluster.stop()
         console.print(f"  Ray cluster stopped (both nodes) [dim]({time.monotonic() - t:.1f}s)[/dim]")
 
     stack.callback(stop_cluster)
-    _step(console, "head node started", cluster.start)
-    _step(console, 'node "b" joined', lambda: cluster.add_node("b", num_cpus=NODE_B_CPUS))
-    cluster.connect()
-    pids = {name: sorted(p.process.pid for infos in node.all_processes.values() for p in infos)
-            for name, node in cluster.nodes.items()}
-    console.print(f"  address {cluster.address}; {HEAD_CPUS}+{NODE_B_CPUS} logical CPUs "
-                  f"(1 a worker); dashboard {cluster.dashboard_url}")
-    for name, p in pids.items():
-        console.print(f"  node {name}: pids {' '.join(map(str, p))}", highlight=False)
+    console.print(f"  ray start --head --port {cluster.port} --num-cpus {HEAD_CPUS}", highlight=False, markup=False)
+    console.print(f"  ray start --address {cluster.address} --num-cpus {NODE_B_CPUS}", highlight=False,
+                  markup=False)
+    cluster.add_node("b", num_cpus=NODE_B_CPUS)
+    _step(console, "both nodes up", lambda: cluster.wait_nodes(2))
+    console.print(f"  address {cluster.address}; {HEAD_CPUS}+{NODE_B_CPUS} logical CPUs (1 a worker)",
+                  highlight=False)
 
     # ---- 2. S3
     section(console, 2, "Object storage: a local S3 server (SeaweedFS)")
@@ -437,45 +442,33 @@ def _run(args: argparse.Namespace, steps: int, kill: int, console: Console, run_
     console.print(f"  endpoint {s3.endpoint_url} (pid {s3.proc.pid}); bucket {BUCKET}", highlight=False)
 
     # ---- 3. the control plane
-    section(console, 3, "The Unbroken control plane: REST API + scheduler + job store")
-    from api.app import create_app
-    from api.server import BackgroundServer, ensure_admin_token
-    from service.scheduler import Scheduler
-    from service.store import JobStore
+    section(console, 3, "The Unbroken control plane: unbroken serve (REST API + scheduler + job store)")
+    serve = Serve(home, address=cluster.address, env=cluster.env)
 
-    db = f"sqlite:///{run_dir / 'unbroken.db'}"
-    store = JobStore(db)
-    stack.callback(store.close)
-    scheduler = Scheduler(store, interval_s=0.5, liveness_every_s=2.0)
-
-    def stop_scheduler() -> None:
+    def stop_serve() -> None:
         t = time.monotonic()
-        scheduler.stop()
-        console.print(f"  scheduler stopped [dim]({time.monotonic() - t:.1f}s)[/dim]")
+        serve.stop()
+        console.print(f"  unbroken serve stopped ({serve.url}) [dim]({time.monotonic() - t:.1f}s)[/dim]")
 
-    stack.callback(stop_scheduler)
-    scheduler.start()
-    server = BackgroundServer(create_app(store, scheduler))
-
-    def stop_server() -> None:
-        t = time.monotonic()
-        server.stop()
-        console.print(f"  API server stopped ({server.url}) [dim]({time.monotonic() - t:.1f}s)[/dim]")
-
-    stack.callback(stop_server)
-    _step(console, "API server up", server.start)
-    os.environ["UNBROKEN_HOME"] = str(home)
-    token, token_path = ensure_admin_token(store, server.url, home / "token")
-    console.print(f"  {server.url} (OpenAPI docs at {server.url}/docs); store {db}", highlight=False)
-    console.print(f"  admin token in {token_path}; from another terminal while it runs:", highlight=False)
-    console.print(f"    UNBROKEN_HOME={home} unbroken jobs list", highlight=False, markup=False)
+    stack.callback(stop_serve)
+    console.print(f"  UNBROKEN_HOME={home} unbroken serve --address {cluster.address} --port {serve.port}",
+                  highlight=False, markup=False)
+    _step(console, "API server up", serve.wait_ready)
+    os.environ["UNBROKEN_HOME"] = str(home)  # the SDK and the CLI read the token file serve wrote there
+    token = json.loads((home / "token").read_text())["token"]
+    console.print(f"  {serve.url} (OpenAPI docs at {serve.url}/docs); job store {home / 'unbroken.db'}",
+                  highlight=False)
+    console.print(f"  console: {serve.url}/ui  (sign in with the admin token: {token})", highlight=False,
+                  markup=False)
+    console.print("  from another terminal while it runs:", highlight=False)
+    console.print(f"    UNBROKEN_HOME={home} unbroken list", highlight=False, markup=False)
 
     # ---- 4. submit through the SDK
     section(console, 4, "Submitting the job through the SDK")
     from unbroken import Client, JobSpec
 
     spec = JobSpec.model_validate(job_spec(run_dir, s3, steps, kill))
-    client = Client(server.url, token)
+    client = Client()  # the token file that `unbroken serve` wrote
     stack.callback(client.close)
     m, t = spec.model, spec.training
     console.print(f"  model: Llama-style '{m.preset}' ({m.dim} dim, {m.n_layers} layers, {m.n_heads} heads, "
@@ -502,8 +495,7 @@ def _run(args: argparse.Namespace, steps: int, kill: int, console: Console, run_
     # ---- 6. summary
     section(console, 6, "Summary")
     summarize(console, client, job, s3, run_dir)
-    console.print(f"Ray dashboard: {cluster.dashboard_url} (jobs' actors: job-{job.id}/...; it stops with the demo; "
-                  "if it asks for a token, Ray turned its token auth on: `ray get-auth-token`)", highlight=False)
+    console.print(f"console: {serve.url}/ui/jobs/{job.id} (it stops with the demo)", highlight=False)
     return 0 if job.status == "SUCCEEDED" else 1
 
 

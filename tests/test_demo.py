@@ -81,9 +81,9 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
 
     assert rc == 0, out
     # What a person sees, in order: the failure, the resize, the recovery, then the summary.
-    failure = re.search(r"FAILURE\s+job-\w+/worker-\d+ \(rank 1\) died", out)
+    failure = re.search(r"FAILURE\s+Rank 1 \(worker-\d+ on node \w+\) was stopped by chaos \(kill_worker", out)
     resize = re.search(r"RESIZE\s+dp 4 -> 3", out)
-    restored = re.search(r"RECOVERED\s+generation 1 restored step (\d+) from keepers", out)
+    restored = re.search(r"RECOVERED\s+Recovered from the loss of rank 1 in [\d.]+s: .*\(step (\d+) from memory\)", out)
     summary = out.find("6. Summary")
     assert failure and resize and restored and summary > 0, out
     assert failure.start() < resize.start() < restored.start() < summary, out
@@ -94,12 +94,13 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
     assert "checkpoints recorded by the service (client.checkpoints): 2" in out, out
     assert re.search(r"step-0+20\s+\d+ objects", out), out  # listed from S3 itself
     assert re.search(r"metrics\.jsonl: \S+ \(22 lines", out), out
-    assert re.search(r"Ray dashboard: http://127\.0\.0\.1:\d+", out), out
+    assert re.search(r"console: http://127\.0\.0\.1:\d+/ui", out), out
+    assert "unbroken serve --address" in out and "ray start --head" in out, out  # the user's path
 
     # The facts behind the output, from the demo's own job store.
     from service.store import JobStore
 
-    store = JobStore(f"sqlite:///{run_dir / 'unbroken.db'}")
+    store = JobStore(f"sqlite:///{run_dir / 'home' / 'unbroken.db'}")
     try:
         jobs, _ = store.list_jobs()
         assert len(jobs) == 1 and jobs[0].status == "SUCCEEDED", jobs
@@ -117,5 +118,5 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
         assert [c.step for c in store.checkpoints(job_id)] == [10, 20]
     finally:
         store.close()
-    metrics_file = run_dir / "job" / "metrics.jsonl"
+    metrics_file = run_dir / "home" / "runs" / job_id / "metrics.jsonl"  # the job's own folder under serve
     assert len(metrics_file.read_text().splitlines()) == STEPS

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.user_path import UNBROKEN, RayStartCluster, Serve, manifest_start_params
+from examples.user_cluster import UNBROKEN, RayStartCluster, Serve, manifest_start_params
 
 DATA = "/usr/lib/python3.11/json"  # a few UTF-8 files every machine with Python has
 STEPS = 12

@@ -1,5 +1,6 @@
-"""The user's path, for end-to-end tests: a Ray cluster started with `ray start` (plain, or with the
-KubeRay manifests' rayStartParams), and a real `unbroken serve` process in front of it.
+"""The user's path on one machine: a Ray cluster started with `ray start` (plain, or with the KubeRay
+manifests' rayStartParams), and a real `unbroken serve` process in front of it. `make demo` runs on
+it, and so do the end-to-end tests.
 
 Every process is started in a session of its own and stopped by PID at the end (found by session id
 and by this cluster's private temp dir), never by name.
@@ -96,8 +97,8 @@ class RayStartCluster:
     private cluster (tests/deploy/test_head_script.py does the same); node death is seen in seconds.
     """
 
-    def __init__(self, *, head: dict[str, str] | None = None) -> None:
-        self.temp = tempfile.mkdtemp(prefix="ubrs-", dir="/tmp")  # short: Ray's socket paths
+    def __init__(self, *, head: dict[str, str] | None = None, temp: str | None = None) -> None:
+        self.temp = temp or tempfile.mkdtemp(prefix="ubrs-", dir="/tmp")  # short: Ray's socket paths
         self.port = free_port()
         self.sids: list[int] = []
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -152,7 +153,8 @@ class RayStartCluster:
 class Serve:
     """`unbroken serve --address <cluster>` as a user runs it, with its own UNBROKEN_HOME."""
 
-    def __init__(self, home: Path, *, address: str | None, env: dict[str, str], extra: list[str] = ()) -> None:
+    def __init__(self, home: Path, *, address: str | None, env: dict[str, str],
+                 extra: tuple[str, ...] = ()) -> None:
         self.home = home
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

@@ -146,6 +146,8 @@ def status(
     with _client(url, token) as c:
         job = _run(lambda: c.get(job_id))
         cks = _run(lambda: c.checkpoints(job_id)) if checkpoints else []
+        # Warnings the job raised (e.g. in-memory snapshots kept on one node only), newest meaning last.
+        warned = [e.message for e in _run(lambda: list(c.events(job_id, follow=False))) if e.kind == "warning"]
     if as_json:
         typer.echo(job.model_dump_json(indent=2))
         return
@@ -161,6 +163,8 @@ def status(
     ]
     for k, v in lines:
         typer.echo(f"{k:>11}: {v}")
+    for w in dict.fromkeys(warned):
+        typer.echo(f"{'warning':>11}: {w}")
     if checkpoints:
         from rich.console import Console
         from rich.table import Table

@@ -49,6 +49,13 @@ def _source_problems(cfg: DataConfig, prefix: str, engine: EngineConfig) -> list
             f"{prefix}.format=chat needs a chat template: {tok.name} has none (no chat_template in its "
             f"tokenizer_config.json); set {prefix}.chat_template or use a tokenizer that has one"
         )
+    elif cfg.format == "chat":
+        from parallel.data.formats import compile_template
+
+        try:
+            compile_template(cfg.chat_template or tok.chat_template or "")
+        except DataError as e:
+            problems.append(f"{prefix}.format=chat: {e}")
     try:
         if cfg.kind == "tokens":
             problems += _check_tokens(cfg, prefix, tok.fingerprint, seq_len)

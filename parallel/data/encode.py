@@ -12,7 +12,6 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -20,17 +19,9 @@ import numpy as np
 from parallel.config import DataConfig
 from parallel.data.readers import BadRows, Row, read_hf_dataset, read_jsonl, read_parquet, read_text
 from parallel.data.tokenizer import Tokenizer
-from parallel.data.types import DataError
+from parallel.data.types import DataError, Encoded
 
 RAW_KINDS = ("text", "jsonl", "parquet", "hf_dataset")
-
-
-@dataclass
-class Encoded:
-    tokens: np.ndarray  # flat ids, EOS after each document
-    lengths: np.ndarray  # int64, one per document, EOS included
-    loss_mask: np.ndarray | None = None  # uint8 per token (format text: None, every target counts)
-    bytes_read: int = 0  # of the source, for progress
 
 
 def record_fields(cfg: DataConfig) -> tuple[tuple[str, ...], tuple[type, ...]]:

@@ -65,7 +65,7 @@ class Tokenizer:
         flat = np.frombuffer(b"\x00".join(raw) + b"\x00", dtype=np.uint8) if raw else np.zeros(0, np.uint8)
         return flat, np.fromiter((len(r) + 1 for r in raw), dtype=np.int64, count=len(raw))
 
-    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    def encode_with_offsets(self, text: str, add_special_tokens: bool = True) -> tuple[list[int], list[tuple[int, int]]]:
         """Ids and, for each, the [start, end) character span of `text` it came from."""
         ids: list[int] = []
         offsets: list[tuple[int, int]] = []
@@ -74,6 +74,9 @@ class Tokenizer:
             ids.extend(raw)
             offsets.extend([(i, i + 1)] * len(raw))
         return ids, offsets
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(i for i in ids if not (skip_special_tokens and i == BYTE_EOS_ID)).decode("utf-8", "replace")
 
     def token_id(self, token: str) -> int | None:
         raw = token.encode("utf-8")
@@ -164,15 +167,15 @@ class HFTokenizer(Tokenizer):
                            dtype=dtype_for_vocab(self.vocab_size), count=int(lengths.sum()))
         return flat, lengths
 
-    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-        enc = self._tok.encode(text)
+    def encode_with_offsets(self, text: str, add_special_tokens: bool = True) -> tuple[list[int], list[tuple[int, int]]]:
+        enc = self._tok.encode(text, add_special_tokens=add_special_tokens)
         return enc.ids, [tuple(o) for o in enc.offsets]  # type: ignore[misc]
 
     def token_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def files(self) -> dict[str, Path]:
         found = {TOKENIZER_FILE: self._file}

@@ -2,8 +2,10 @@
 
 Single process: a packed, masked window gives each document the logits it has alone. Multi-rank:
 one 4-rank launch trains FSDP, TP, CP (ring attention), PP and PP x CP on packed data with document
-masks and a held-out split evaluated every 5 steps; each matches one process (train and eval losses
-<= 1e-5 fp32 over 10 steps, final weights).
+masks and a held-out split evaluated every 5 steps, and FSDP, TP, CP and PP fine-tune on
+prompt/completion pairs (loss on completions only, normalised by the global count of completion
+tokens, whatever dp is); each matches one process (train and eval losses <= 1e-5 fp32 over 10
+steps, final weights).
 """
 
 from __future__ import annotations
@@ -50,6 +52,30 @@ def corpus(folder: Path) -> Path:
     return folder / "prepared"
 
 
+SFT_LAYOUTS: list[dict[str, Any]] = [
+    dict(name="sft-fsdp4", world=4, parallelism={}),
+    dict(name="sft-tp2", world=4, parallelism={"tp": 2}),
+    dict(name="sft-cp2", world=4, parallelism={"cp": 2}),
+    dict(name="sft-pp2", world=4, parallelism={"pp": 2, "pp_microbatches": 2}),
+]
+
+
+def sft_corpus(folder: Path) -> Path:
+    """Prompt/completion pairs, prepared byte-level with their loss mask."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with (folder / "pairs.jsonl").open("w") as f:
+        for i in range(300):
+            f.write(json.dumps({"prompt": f"{i} plus {i % 7} is", "completion": f" {i + i % 7}."}) + "\n")
+    prepare_dataset(DataConfig(kind="jsonl", path=str(folder / "pairs.jsonl"), format="prompt_completion"),
+                    folder / "prepared", load_tokenizer(None))
+    return folder / "prepared"
+
+
+def sft_base(prepared: Path) -> dict[str, Any]:
+    return {"model": {"preset": "tiny", "n_layers": 4}, "training": {**TRAIN, "eval_every": None},
+            "data": {"kind": "tokens", "path": str(prepared), "document_mask": True, "seed": 4}}
+
+
 def base(prepared: Path) -> dict[str, Any]:
     return {"model": {"preset": "tiny", "n_layers": 4}, "training": TRAIN,
             "data": {"kind": "tokens", "path": str(prepared), "document_mask": True, "seed": 1,
@@ -78,22 +104,34 @@ def test_masked_window_equals_each_document_alone(tmp_path: Path) -> None:
         assert (packed - plain).abs().max() > 1e-3, "later documents no longer see earlier ones"
 
 
-@pytest.fixture(scope="module")
-def parity(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Any]:
-    prepared = corpus(tmp_path_factory.mktemp("packing"))
-    cfg = EngineConfig.model_validate(base(prepared))
-    trainer = Trainer(cfg, device=torch.device("cpu"))
+def _reference(raw: dict[str, Any]) -> tuple[list[float], dict[str, torch.Tensor], dict[int, float]]:
+    trainer = Trainer(EngineConfig.model_validate(raw), device=torch.device("cpu"))
     metrics = [trainer.train_step() for _ in range(STEPS)]
-    ref = ([m.loss for m in metrics], trainer.full_state_dict(), {m.step: m.eval_loss for m in metrics if m.eval_loss})
-    got = launch("tests.data.rank_fns:train_layouts", 4, {"runs": [{"base": base(prepared), "layouts": LAYOUTS}]},
-                 timeout_s=600)[0]
-    return got, ref
+    return ([m.loss for m in metrics], trainer.full_state_dict(),
+            {m.step: m.eval_loss for m in metrics if m.eval_loss is not None})
+
+
+@pytest.fixture(scope="module")
+def parity(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], dict[str, Any]]:
+    root = tmp_path_factory.mktemp("packing")
+    runs = [{"base": base(corpus(root / "pretrain")), "layouts": LAYOUTS},
+            {"base": sft_base(sft_corpus(root / "sft")), "layouts": SFT_LAYOUTS}]
+    got = launch("tests.data.rank_fns:train_layouts", 4, {"runs": runs}, timeout_s=600)[0]
+    return got, {"pretrain": _reference(runs[0]["base"]), "sft": _reference(runs[1]["base"])}
 
 
 @pytest.mark.parametrize("name", [lay["name"] for lay in LAYOUTS])
 def test_document_masked_layouts_match_one_process(name: str, parity: tuple[dict[str, Any], Any]) -> None:
-    got, (losses, weights, evals) = parity
+    got, refs = parity
+    losses, weights, evals = refs["pretrain"]
     check_parity(got[name], (losses, weights), name)
     assert sorted(evals) == [5, 10] and sorted(got[name]["eval"]) == [5, 10]
     for step, value in evals.items():
         assert abs(got[name]["eval"][step] - value) <= 1e-5, f"{name}: eval loss at step {step}"
+
+
+@pytest.mark.parametrize("name", [lay["name"] for lay in SFT_LAYOUTS])
+def test_fine_tuning_layouts_match_one_process(name: str, parity: tuple[dict[str, Any], Any]) -> None:
+    got, refs = parity
+    losses, weights, _ = refs["sft"]
+    check_parity(got[name], (losses, weights), name)

@@ -129,7 +129,9 @@ def encode_all(cfg: DataConfig, tok: Tokenizer, bad: BadRows, what: str = "data.
             progress(enc.bytes_read)
     if not parts:
         raise DataError(f"{what}={cfg.path!r} holds no usable documents" +
-                        (f" ({bad.count} bad rows skipped, e.g. {bad.examples[0]})" if bad.count else ""))
+                        (f" ({bad.count} bad rows skipped, e.g. {bad.examples[0]})" if bad.count else "") +
+                        "; point it at UTF-8 text (files that are not UTF-8 are skipped), or set data.kind "
+                        "to the format the files are in")
     masks = [p.loss_mask for p in parts]
     return Encoded(
         tokens=np.concatenate([p.tokens for p in parts]),

@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
-from typing import Annotated, Any
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Annotated, Any, TypeVar
 
 import yaml
 from fastapi import APIRouter, Header, Query, Request, Response
@@ -20,6 +21,7 @@ from service.statuses import CANCELLED, STATUSES, TERMINAL
 from service.store import IdempotencyConflictError, JobNotTerminalError, JobRecord
 
 router = APIRouter(prefix="/v1", tags=["jobs"])
+T = TypeVar("T")
 
 JSON_TYPES = ("application/json", "")
 YAML_TYPES = ("application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml")
@@ -185,10 +187,68 @@ def delete_job(job_id: str, _job: VisibleJob, state: State) -> Response:
     return Response(status_code=204)
 
 
-def _sse(ev: Any) -> str:
+KEEP_ALIVE_S = 15.0  # a comment line on an idle stream, so proxies do not close it
+FOLLOW_LINGER_S = 2.0  # a followed log or metrics stream ends this long after its job did
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _resume_point(request: Request, after: int) -> int:
+    """`after`, or the id a reconnecting EventSource names in Last-Event-ID when that is later."""
+    last_event_id = request.headers.get("last-event-id", "")
+    if last_event_id.isdigit() and len(last_event_id) < 19:
+        return max(after, int(last_event_id))
+    return after
+
+
+def _follow(
+    request: Request,
+    state: Any,
+    job_id: str,
+    read: Callable[[int], Sequence[T]],
+    frame: Callable[[T], tuple[int, str]],
+    cursor: int,
+    poll_s: float,
+    linger_s: float = 0.0,
+) -> StreamingResponse:
+    """Server-Sent Events of what a job stores, as it is stored, until the job ends.
+
+    `read(cursor)` answers the items after `cursor` (a batch, oldest first); `frame(item)` gives the
+    item's cursor and its SSE frame. The stream ends with an `end` event once the job has been
+    finished for `linger_s` (its last rows or lines may be written just after its final status)."""
+
+    async def stream() -> AsyncIterator[str]:
+        at = cursor
+        last_beat = time.monotonic()
+        while True:
+            items = await run_in_threadpool(read, at)
+            for x in items:
+                at, text = frame(x)
+                yield text
+            if items:
+                continue  # more may be waiting
+            job = await run_in_threadpool(state.store.get_job, job_id)
+            if job is None or job.terminal and time.time() - (job.finished_at or 0.0) > linger_s:
+                # Drain what was written between the last read and the read of the status.
+                while items := await run_in_threadpool(read, at):
+                    for x in items:
+                        at, text = frame(x)
+                        yield text
+                yield "event: end\ndata: {}\n\n"
+                return
+            if time.monotonic() - last_beat > KEEP_ALIVE_S:
+                last_beat = time.monotonic()
+                yield ": keep-alive\n\n"
+            if await request.is_disconnected():
+                return
+            await asyncio.sleep(poll_s)
+
+    return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+def _event_frame(ev: Any) -> tuple[int, str]:
     payload = schemas.JobEvent(id=ev.id, job_id=ev.job_id, ts=ev.ts, kind=ev.kind, message=ev.message,
                                data=ev.data).model_dump_json()
-    return f"id: {ev.id}\nevent: {ev.kind}\ndata: {payload}\n\n"
+    return ev.id, f"id: {ev.id}\nevent: {ev.kind}\ndata: {payload}\n\n"
 
 
 @router.get(
@@ -207,65 +267,72 @@ async def job_events(
     follow: bool = False,
     poll_s: Annotated[float, Query(ge=0.05, le=10.0)] = 0.25,
 ) -> Any:
-    last_event_id = request.headers.get("last-event-id", "")
-    if last_event_id.isdigit() and len(last_event_id) < 19:
-        after = max(after, int(last_event_id))
+    after = _resume_point(request, after)
     if not follow:
         evs = await run_in_threadpool(state.store.events, job_id, after, limit)
         return schemas.EventList(items=[schemas.JobEvent(**ev.__dict__) for ev in evs])
-
-    async def stream() -> AsyncIterator[str]:
-        cursor = after
-        last_beat = time.monotonic()
-        while True:
-            evs = await run_in_threadpool(state.store.events, job_id, cursor, limit)
-            for ev in evs:
-                cursor = ev.id
-                yield _sse(ev)
-            if not evs:
-                job = await run_in_threadpool(state.store.get_job, job_id)
-                if job is None or job.terminal:
-                    # Drain what was written between the read of events and of the status.
-                    for ev in await run_in_threadpool(state.store.events, job_id, cursor, limit):
-                        cursor = ev.id
-                        yield _sse(ev)
-                    yield "event: end\ndata: {}\n\n"
-                    return
-                if time.monotonic() - last_beat > 15:
-                    last_beat = time.monotonic()
-                    yield ": keep-alive\n\n"
-                if await request.is_disconnected():
-                    return
-                await asyncio.sleep(poll_s)
-
-    return StreamingResponse(stream(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return _follow(request, state, job_id, lambda at: state.store.events(job_id, at, limit), _event_frame,
+                   after, poll_s)
 
 
-@router.get("/jobs/{job_id}/metrics", response_model=schemas.MetricsList, responses=ERRORS,
-            summary="A job's metrics, one row a step")
-def job_metrics(
+def _metrics_frame(row: dict[str, Any]) -> tuple[int, str]:
+    step = int(row["step"])
+    return step, f"id: {step}\nevent: metrics\ndata: {json.dumps(row, separators=(',', ':'))}\n\n"
+
+
+@router.get(
+    "/jobs/{job_id}/metrics", response_model=schemas.MetricsList,
+    responses={**ERRORS, 200: {"content": {"text/event-stream": {}},
+                               "description": "JSON list, or with ?follow=true Server-Sent Events: one `metrics` "
+                                              "event a row, its id the row's step"}},
+    summary="A job's metrics, one row a step; ?follow=true streams new rows (SSE) until the job finishes",
+)
+async def job_metrics(
+    request: Request,
     job_id: str,
     _job: VisibleJob,
     state: State,
-    after_step: Annotated[int, Query(ge=-1, le=2**31)] = -1,
+    after_step: Annotated[int, Query(ge=-1, le=2**31, description="only rows of a later step")] = -1,
     limit: Annotated[int, Query(ge=1, le=100000)] = 10000,
-) -> schemas.MetricsList:
-    return schemas.MetricsList(items=state.store.metrics(job_id, after_step, limit))
-
-
-LOG_LINGER_S = 2.0  # a followed log ends this long after its job did
+    follow: bool = False,
+    poll_s: Annotated[float, Query(ge=0.05, le=10.0)] = 0.25,
+) -> Any:
+    if not follow:
+        return schemas.MetricsList(items=await run_in_threadpool(state.store.metrics, job_id, after_step, limit))
+    # A reconnecting EventSource names the last step it saw.
+    after_step = _resume_point(request, after_step)
+    return _follow(request, state, job_id, lambda at: state.store.metrics(job_id, at, limit), _metrics_frame,
+                   after_step, poll_s, FOLLOW_LINGER_S)
 
 
 def _log_line(x: Any) -> schemas.LogLine:
     return schemas.LogLine(id=x.id, ts=x.ts, source=x.source, line=x.line)
 
 
+def _log_frame(x: Any) -> tuple[int, str]:
+    return x.id, f"id: {x.id}\nevent: log\ndata: {_log_line(x).model_dump_json()}\n\n"
+
+
+LOG_PAGE = 10000  # lines a read of the store takes while looking for a tail
+
+
+def _log_tail(store: Any, job_id: str, after: int, n: int) -> list[Any]:
+    """The newest `n` lines after id `after`, oldest first. The store reads lines oldest first only,
+    so this pages through them here (a job keeps at most the store's max_log_lines), not the browser."""
+    tail: deque[Any] = deque(maxlen=n)
+    while page := store.logs(job_id, after, LOG_PAGE):
+        tail.extend(page)
+        after = page[-1].id
+        if len(page) < LOG_PAGE:
+            break
+    return list(tail)
+
+
 @router.get(
     "/jobs/{job_id}/logs", response_model=schemas.LogList,
     responses={**ERRORS, 200: {"content": {"text/event-stream": {}},
                                "description": "JSON list, or with ?follow=true Server-Sent Events"}},
-    summary="A job's log lines; ?follow=true streams new ones (SSE) until the job finishes",
+    summary="A job's log lines; ?tail=N the newest N; ?follow=true streams new ones (SSE) until the job finishes",
 )
 async def job_logs(
     request: Request,
@@ -274,49 +341,25 @@ async def job_logs(
     state: State,
     after: Annotated[int, Query(ge=0, le=2**62, description="only lines with a larger id")] = 0,
     limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
+    tail: Annotated[int | None, Query(ge=1, le=10000, description=(
+        "only the newest N lines (of those after `after`), instead of the oldest `limit`; with "
+        "follow=true the stream starts with them"))] = None,
     follow: bool = False,
     poll_s: Annotated[float, Query(ge=0.05, le=10.0)] = 0.25,
 ) -> Any:
-    last_event_id = request.headers.get("last-event-id", "")
-    if last_event_id.isdigit() and len(last_event_id) < 19:
-        after = max(after, int(last_event_id))
+    after = _resume_point(request, after)
+    if tail is not None:
+        lines = await run_in_threadpool(_log_tail, state.store, job_id, after, tail)
+        if follow:
+            # Start just before the tail's first line: no line of this job lies between the two ids.
+            after = lines[0].id - 1 if lines else after
+        else:
+            return schemas.LogList(items=[_log_line(x) for x in lines], next_after=lines[-1].id if lines else after)
     if not follow:
         lines = await run_in_threadpool(state.store.logs, job_id, after, limit)
         return schemas.LogList(items=[_log_line(x) for x in lines], next_after=lines[-1].id if lines else after)
-
-    def sse(x: Any) -> str:
-        return f"id: {x.id}\nevent: log\ndata: {_log_line(x).model_dump_json()}\n\n"
-
-    async def stream() -> AsyncIterator[str]:
-        cursor = after
-        last_beat = time.monotonic()
-        while True:
-            lines = await run_in_threadpool(state.store.logs, job_id, cursor, limit)
-            for x in lines:
-                cursor = x.id
-                yield sse(x)
-            if len(lines) == limit:
-                continue  # more are waiting
-            if not lines:
-                job = await run_in_threadpool(state.store.get_job, job_id)
-                # A job's last lines may be flushed just after its final status: wait a moment for them.
-                if job is None or job.terminal and time.time() - (job.finished_at or 0.0) > LOG_LINGER_S:
-                    # Drain what was written between the read of lines and of the status.
-                    while lines := await run_in_threadpool(state.store.logs, job_id, cursor, limit):
-                        for x in lines:
-                            cursor = x.id
-                            yield sse(x)
-                    yield "event: end\ndata: {}\n\n"
-                    return
-                if time.monotonic() - last_beat > 15:
-                    last_beat = time.monotonic()
-                    yield ": keep-alive\n\n"
-                if await request.is_disconnected():
-                    return
-                await asyncio.sleep(poll_s)
-
-    return StreamingResponse(stream(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return _follow(request, state, job_id, lambda at: state.store.logs(job_id, at, limit), _log_frame, after,
+                   poll_s, FOLLOW_LINGER_S)
 
 
 @router.get("/jobs/{job_id}/checkpoints", response_model=schemas.CheckpointList, responses=ERRORS,

@@ -1,17 +1,20 @@
 """A job's logs through a real server and store: GET /v1/jobs/{id}/logs (pages, and ?follow=true
-streaming until the job ends), the SDK's logs(follow=...), and `unbroken logs JOB -f`. Lines are
+streaming until the job ends; ?tail=N the newest N lines), the SDK's logs(follow=...), and `unbroken logs JOB -f`. Lines are
 written the way the supervisor writes them, through JobStore.add_logs."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
 import httpx
+import pytest
 from typer.testing import CliRunner
 
 from api.cli import app
 from api.client import Client
+from api.routers import jobs
 from tests.api.conftest import Api
 
 TINY = {"name": "tiny", "model": {"preset": "tiny"}, "training": {"steps": 3}}
@@ -59,7 +62,7 @@ def test_follow_streams_lines_until_the_job_ends(api: Api) -> None:
         assert [x.line for x in c.logs(j.id, follow=True, after=items[-2].id)] == ["released 2 workers"]
 
 
-def test_route_pages_and_sse_shape(api: Api) -> None:
+def test_route_pages_and_sse_shape(api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
     _, token = api.user()
     with Client(api.url, token) as c:
         j = c.submit(TINY)
@@ -80,6 +83,20 @@ def test_route_pages_and_sse_shape(api: Api) -> None:
         assert '"line":"line 3"' in frames[0] and frames[0].startswith(f"id: {nxt['items'][1]['id']}\n")
         bad = h.get(f"/v1/jobs/{j.id}/logs", params={"limit": 0})
         assert bad.status_code == 422 and bad.json()["fields"][0]["field"] == "query.limit"
+        # ?tail=N: the newest N lines (oldest first), as a page and as the start of a stream.
+        tail = h.get(f"/v1/jobs/{j.id}/logs", params={"tail": 2}).json()
+        assert [x["line"] for x in tail["items"]] == ["line 3", "line 4"] and tail["next_after"] == tail["items"][-1]["id"]
+        assert [x["line"] for x in h.get(f"/v1/jobs/{j.id}/logs", params={"tail": 99}).json()["items"]] == [
+            f"line {i}" for i in range(5)]
+        r = h.get(f"/v1/jobs/{j.id}/logs", params={"tail": 2, "follow": "true"})
+        assert [f for f in r.text.split("\n\n") if f][-3:-1] == [
+            f"id: {x['id']}\nevent: log\ndata: {json.dumps(x, separators=(',', ':'))}" for x in tail["items"]]
+        assert r.text.count("event: log") == 2
+        monkeypatch.setattr(jobs, "LOG_PAGE", 2)  # the tail found across pages of the store's reads
+        assert [x["line"] for x in h.get(f"/v1/jobs/{j.id}/logs", params={"tail": 3}).json()["items"]] == [
+            "line 2", "line 3", "line 4"]
+        bad = h.get(f"/v1/jobs/{j.id}/logs", params={"tail": 0})
+        assert bad.status_code == 422 and bad.json()["fields"][0]["field"] == "query.tail"
 
 
 def test_cli_logs_follow_prints_lines_with_their_source(api: Api) -> None:

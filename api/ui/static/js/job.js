@@ -1,18 +1,19 @@
 // One job: its loss and throughput charts (generations and dp as bands; failures, recoveries and
 // resizes as markers), recovery table, checkpoints of both tiers, events, log tail and spec.
 //
-// Live: the job's Server-Sent Events stream (GET /v1/jobs/{id}/events?follow=true) delivers its
-// events as they happen and ends when the job finishes. The stream carries events, not the
-// per-step metrics rows, so while it is open the rows and log lines that are newer than those
-// already shown are read incrementally (?after_step=, ?after=).
+// Live, through three Server-Sent Events streams of the job, each ending when the job finishes:
+// its events (GET /v1/jobs/{id}/events?follow=true), its metrics rows (…/metrics?follow=true) and
+// its log lines (…/logs?follow=true&tail=N: the newest N, then each new one). Nothing is polled
+// for them; only the keepers' in-memory snapshots (GET /v1/cluster) are re-read now and then.
 import {
   api, ago, announce, badge, el, fmtBytes, fmtNum, fmtSecs, fmtTime, replaceRows, showError,
 } from "./common.js";
 
 const jobId = document.body.dataset.jobId;
 const base = `/v1/jobs/${encodeURIComponent(jobId)}`;
-const TICK_MS = 1500;
+const SNAPSHOTS_MS = 9000;
 const LOG_KEEP = 400;
+const DRAW_MS = 100; // rows and lines that arrive together are drawn together
 const TERMINAL = new Set(["SUCCEEDED", "FAILED", "CANCELLED"]);
 const RECOVERY_KINDS = new Set(["restored", "recovered"]);
 const REFRESH_ON = new Set([
@@ -30,7 +31,6 @@ const S = {
   logAfter: 0,
   streamOpen: false,
   ended: false,
-  ticks: 0,
 };
 
 // ------------------------------------------------------------------ the header and facts
@@ -43,8 +43,9 @@ function renderJob() {
   const terminal = TERMINAL.has(j.status);
   document.getElementById("cancel").hidden = terminal || j.cancel_requested;
   document.getElementById("delete").hidden = !terminal;
-  const p = j.progress;
   const last = S.rows.at(-1) ?? {};
+  // The streamed rows run ahead of the job record, which is re-read only when an event says so.
+  const p = (last.step ?? -1) > (j.progress.step ?? -1) ? { ...j.progress, ...last } : j.progress;
   const facts = [
     ["Owner", j.owner],
     ["Step", p.step === null ? "—" : `${p.step}${p.total_steps ? ` / ${p.total_steps}` : ""}`],
@@ -249,33 +250,58 @@ function renderEvent(ev) {
     el("span", { class: "kind" }, ev.kind), " ", ev.message));
 }
 
-// ------------------------------------------------------------------ incremental reads
-async function readMetrics() {
-  for (;;) {
-    const { items } = await api(`${base}/metrics?after_step=${S.lastStep}&limit=10000`);
-    for (const r of items) if (r.step > S.lastStep) { S.rows.push(r); S.lastStep = r.step; }
-    if (items.length < 10000) return items.length;
-  }
+// ------------------------------------------------------------------ the metrics and log streams
+let drawTimer = null;
+
+function drawSoon() {
+  drawTimer ??= setTimeout(() => {
+    drawTimer = null;
+    drawCharts();
+    renderMarkers();
+    if (S.job) renderJob();
+    const pre = document.getElementById("logs");
+    const atEnd = pre.scrollTop + pre.clientHeight >= pre.scrollHeight - 4;
+    pre.textContent = S.logs.join("\n") || "(no log lines yet)";
+    if (atEnd) pre.scrollTop = pre.scrollHeight;
+  }, DRAW_MS);
 }
 
-async function readLogs() {
-  for (;;) {
-    const page = await api(`${base}/logs?after=${S.logAfter}&limit=5000`);
-    S.logAfter = page.next_after;
-    S.logs.push(...page.items.map((l) => l.line));
+// One EventSource on a follow stream: `url()` names where to (re)start from what is shown; the
+// browser itself reconnects after a dropped connection (the server resumes after Last-Event-ID).
+// Closed at the stream's `end`, and while the tab is hidden: over HTTP/1.1 a browser keeps at
+// most six connections to one server, and each open job page holds three.
+function followStream(url, eventName, onItem) {
+  let es = null;
+  let ended = false;
+  const open = () => {
+    if (es || ended || document.visibilityState !== "visible") return;
+    es = new EventSource(url());
+    es.addEventListener(eventName, (m) => { onItem(JSON.parse(m.data)); drawSoon(); });
+    es.addEventListener("end", () => { ended = true; close(); });
+    es.addEventListener("error", () => {
+      if (es?.readyState !== EventSource.CLOSED) return; // reconnecting by itself
+      // Refused (a 401 or 404 has no event stream): api() sends an ended session to the login page.
+      close();
+      api(base).then(() => setTimeout(open, 2000), (err) => showError(document.getElementById("job-facts"), err));
+    });
+  };
+  const close = () => { es?.close(); es = null; };
+  document.addEventListener("visibilitychange", () => (document.visibilityState === "visible" ? open() : close()));
+  open();
+}
+
+function followMetrics() {
+  followStream(() => `${base}/metrics?follow=true&after_step=${S.lastStep}`, "metrics", (r) => {
+    if (r.step > S.lastStep) { S.rows.push(r); S.lastStep = r.step; }
+  });
+}
+
+function followLogs() {
+  followStream(() => `${base}/logs?follow=true&tail=${LOG_KEEP}&after=${S.logAfter}`, "log", (l) => {
+    S.logAfter = l.id;
+    S.logs.push(l.line);
     if (S.logs.length > LOG_KEEP) S.logs.splice(0, S.logs.length - LOG_KEEP);
-    if (page.items.length < 5000) break;
-  }
-  const pre = document.getElementById("logs");
-  const atEnd = pre.scrollTop + pre.clientHeight >= pre.scrollHeight - 4;
-  pre.textContent = S.logs.join("\n") || "(no log lines yet)";
-  if (atEnd) pre.scrollTop = pre.scrollHeight;
-}
-
-async function readNew() {
-  const added = await readMetrics();
-  await readLogs();
-  if (added) { drawCharts(); renderJob(); }
+  });
 }
 
 // ------------------------------------------------------------------ the event stream
@@ -291,7 +317,7 @@ function onEvents(batch) {
   renderRecoveries();
   drawCharts();
   const kinds = new Set(batch.map((e) => e.kind));
-  const work = [readNew()];
+  const work = [];
   if ([...kinds].some((k) => REFRESH_ON.has(k))) work.push(refreshJob());
   if (kinds.has("checkpointed")) work.push(refreshCheckpoints());
   if (kinds.has("generation") || kinds.has("restored") || kinds.has("released")) work.push(refreshSnapshots());
@@ -339,17 +365,14 @@ async function follow() {
     live.hidden = true;
     if (!S.ended) await new Promise((r) => setTimeout(r, 2000));
   }
-  // The job finished: the last rows, lines, checkpoints and status.
-  await Promise.all([readNew(), refreshJob(), refreshCheckpoints(), refreshSnapshots()]).catch(() => {});
-  drawCharts();
+  // The job finished: its final status, checkpoints and snapshots (the other streams end by themselves).
+  await Promise.all([refreshJob(), refreshCheckpoints(), refreshSnapshots()]).catch(() => {});
 }
 
+// The keepers' snapshots change every few steps without an event: re-read them while the job runs.
 setInterval(() => {
-  if (!S.streamOpen || document.visibilityState !== "visible") return;
-  S.ticks += 1;
-  readNew().catch(() => {});
-  if (S.ticks % 6 === 0) refreshSnapshots().catch(() => {});
-}, TICK_MS);
+  if (S.streamOpen && document.visibilityState === "visible") refreshSnapshots().catch(() => {});
+}, SNAPSHOTS_MS);
 
 // ------------------------------------------------------------------ cancel and delete
 const dialog = document.getElementById("confirm");
@@ -387,10 +410,11 @@ document.getElementById("delete").addEventListener("click", () => confirmThen(
 
 // ------------------------------------------------------------------ start
 (async () => {
+  followMetrics();
+  followLogs();
   try {
     await refreshJob();
-    await Promise.all([readNew(), refreshCheckpoints(), refreshSnapshots().catch(() => {})]);
-    drawCharts();
+    await Promise.all([refreshCheckpoints(), refreshSnapshots().catch(() => {})]);
   } catch (err) {
     showError(document.getElementById("job-facts"), err);
   }

@@ -32,6 +32,31 @@ def _parse_nodes(nodes: list[str]) -> dict[str, float]:
     return out
 
 
+class _WithoutRayDeathGuesses:
+    """stdout without Ray's own note on a dead worker ("(raylet) A worker died or was killed ... OOM
+    killer ..."): the job's events name the actual cause (a chaos kill, a node loss, the process's
+    error) a moment later, and Ray's text guesses. Everything else passes through unchanged."""
+
+    MARK = "A worker died or was killed while executing a task"
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self._dropped = False
+
+    def write(self, text: str) -> int:
+        if self.MARK in text:
+            self._dropped = True
+            return len(text)
+        if self._dropped and text == "\n":  # print()'s line end of the dropped note
+            self._dropped = False
+            return len(text)
+        self._dropped = False
+        return int(self._stream.write(text))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
 def _fmt_event(ev: dict[str, Any], t0: float) -> str:
     return f"[{ev['ts'] - t0:7.2f}s] {ev['kind']:<20} {ev['message']}"
 
@@ -74,6 +99,8 @@ def run_job(
     from workers.progress import StepProgress
 
     cluster: LocalCluster | None = None
+    stdout = sys.stdout
+    sys.stdout = _WithoutRayDeathGuesses(stdout)  # type: ignore[assignment]
     if address:
         ray.init(address=address, namespace="unbroken", log_to_driver=False)
     else:
@@ -116,6 +143,7 @@ def run_job(
         handle.shutdown.remote()
         typer.echo(f"job {jid}: {state}; metrics in {out_dir / 'metrics.jsonl'}", err=True)
     finally:
+        sys.stdout = stdout
         if cluster is not None:
             cluster.shutdown()
         elif ray.is_initialized():

@@ -14,6 +14,7 @@ const base = `/v1/jobs/${encodeURIComponent(jobId)}`;
 const SNAPSHOTS_MS = 9000;
 const LOG_KEEP = 400;
 const DRAW_MS = 100; // rows and lines that arrive together are drawn together
+const POLL_S = 0.5; // how often the server looks for new rows and lines of an idle stream
 const TERMINAL = new Set(["SUCCEEDED", "FAILED", "CANCELLED"]);
 const RECOVERY_KINDS = new Set(["restored", "recovered"]);
 const REFRESH_ON = new Set([
@@ -291,13 +292,13 @@ function followStream(url, eventName, onItem) {
 }
 
 function followMetrics() {
-  followStream(() => `${base}/metrics?follow=true&after_step=${S.lastStep}`, "metrics", (r) => {
+  followStream(() => `${base}/metrics?follow=true&poll_s=${POLL_S}&after_step=${S.lastStep}`, "metrics", (r) => {
     if (r.step > S.lastStep) { S.rows.push(r); S.lastStep = r.step; }
   });
 }
 
 function followLogs() {
-  followStream(() => `${base}/logs?follow=true&tail=${LOG_KEEP}&after=${S.logAfter}`, "log", (l) => {
+  followStream(() => `${base}/logs?follow=true&poll_s=${POLL_S}&tail=${LOG_KEEP}&after=${S.logAfter}`, "log", (l) => {
     S.logAfter = l.id;
     S.logs.push(l.line);
     if (S.logs.length > LOG_KEEP) S.logs.splice(0, S.logs.length - LOG_KEEP);

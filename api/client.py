@@ -103,7 +103,8 @@ def _spec_body(spec: Any, headers: dict[str, str], verb: str) -> dict[str, Any]:
 
 
 def resolve_connection(url: str | None = None, token: str | None = None) -> tuple[str, str | None]:
-    """Explicit arguments, else $UNBROKEN_URL / $UNBROKEN_TOKEN, else the local token file."""
+    """Explicit arguments, else $UNBROKEN_URL / $UNBROKEN_TOKEN, else the local token file. The URL may
+    list several API servers of one control plane, comma-separated (see Client)."""
     from service.auth import read_token_file
 
     file = read_token_file() or {}
@@ -113,10 +114,20 @@ def resolve_connection(url: str | None = None, token: str | None = None) -> tupl
 
 
 class Client:
-    """A connection to one Unbroken API server. Every refusal raises a typed api.errors error."""
+    """A connection to an Unbroken control plane. Every refusal raises a typed api.errors error.
 
-    def __init__(self, url: str | None = None, token: str | None = None, *, timeout: float = 30.0) -> None:
-        self.url, self.token = resolve_connection(url, token)
+    `url` (or $UNBROKEN_URL) may name several API servers sharing one store, comma-separated
+    ("http://a:8420,http://b:8420"): a server that cannot be reached is skipped for the next, for up
+    to `retry_s` seconds (a request that may have reached a dead server is retried only if it is
+    safe to repeat: any GET or DELETE, a POST only when it never connected). An answer 503 (the store
+    is restarting) is retried after its Retry-After for up to `retry_s` seconds, on any server."""
+
+    def __init__(self, url: str | None = None, token: str | None = None, *, timeout: float = 30.0,
+                 retry_s: float = 30.0) -> None:
+        joined, self.token = resolve_connection(url, token)
+        self.urls = [u.strip().rstrip("/") for u in joined.split(",") if u.strip()] or [DEFAULT_URL]
+        self.url = self.urls[0]
+        self.retry_s = retry_s
         headers = {"Accept": "application/json"}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
@@ -134,13 +145,32 @@ class Client:
     # ---- plumbing -------------------------------------------------------------------------------
 
     def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:
-        try:
-            r = self._http.request(method, path, **kw)
-        except httpx.TransportError as e:
-            raise errors.ServerUnavailable(
-                f"cannot reach the Unbroken API at {self.url} ({type(e).__name__}: {e}); "
-                "start it with `unbroken serve` or pass url="
-            ) from e
+        deadline = time.monotonic() + self.retry_s
+        failed_in_row = 0
+        while True:
+            try:
+                r = self._http.request(method, self.url + path, **kw)
+            except httpx.TransportError as e:
+                failed_in_row += 1
+                repeatable = method != "POST" or isinstance(e, httpx.ConnectError | httpx.ConnectTimeout)
+                if len(self.urls) == 1 or not repeatable or time.monotonic() >= deadline:
+                    raise errors.ServerUnavailable(
+                        f"cannot reach the Unbroken API at {', '.join(self.urls)} ({type(e).__name__}: {e}); "
+                        "start it with `unbroken serve` or pass url="
+                    ) from e
+                self.url = self.urls[(self.urls.index(self.url) + 1) % len(self.urls)]
+                if failed_in_row % len(self.urls) == 0:
+                    time.sleep(min(0.25 * failed_in_row, 2.0))  # every server failed once: pause
+                continue
+            failed_in_row = 0
+            if r.status_code == 503 and time.monotonic() < deadline:
+                try:
+                    wait = float(r.headers.get("Retry-After", "1"))
+                except ValueError:
+                    wait = 1.0
+                time.sleep(max(0.05, min(wait, 10.0, deadline - time.monotonic())))
+                continue
+            break
         if r.status_code >= 400:
             try:
                 body = r.json()
@@ -265,7 +295,7 @@ class Client:
         last = after
         while True:
             try:
-                with self._http.stream("GET", path, params={"follow": "true", "after": last},
+                with self._http.stream("GET", self.url + path, params={"follow": "true", "after": last},
                                        timeout=httpx.Timeout(self._http.timeout.connect, read=None)) as r:
                     if r.status_code >= 400:
                         r.read()
@@ -295,6 +325,29 @@ class Client:
                 except errors.ServerUnavailable:
                     raise errors.ServerUnavailable(f"lost the stream {path}: {e}") from e
                 time.sleep(0.5)
+
+    # ---- admins: tokens and the audit log (plain dicts, as the API answers) -----------------------
+
+    def create_token(self, principal: str, *, role: str = "user", label: str | None = None,
+                     expires_in_s: float | None = None) -> dict[str, Any]:
+        """A new token for `principal`; its text is in ["token"], shown this once."""
+        body = {"principal": principal, "role": role, "label": label, "expires_in_s": expires_in_s}
+        return self._request("POST", "/v1/tokens", json={k: v for k, v in body.items() if v is not None}).json()
+
+    def tokens(self, *, principal: str | None = None, include_revoked: bool = False) -> list[dict[str, Any]]:
+        params: dict[str, Any] = {"include_revoked": include_revoked}
+        if principal is not None:
+            params["principal"] = principal
+        return self._request("GET", "/v1/tokens", params=params).json()["items"]
+
+    def revoke_token(self, token_id: int) -> dict[str, Any]:
+        return self._request("DELETE", f"/v1/tokens/{int(token_id)}").json()
+
+    def audit(self, *, after_id: int = 0, limit: int = 100, principal: str | None = None) -> dict[str, Any]:
+        params: dict[str, Any] = {"after_id": after_id, "limit": limit}
+        if principal is not None:
+            params["principal"] = principal
+        return self._request("GET", "/v1/audit", params=params).json()
 
     def metrics(self, job_id: str, *, after_step: int = -1) -> list[dict[str, Any]]:
         """One dict a step (step, loss, tokens, dp, ...), oldest first, every page of them; []

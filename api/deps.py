@@ -8,6 +8,7 @@ from typing import Annotated, Any
 from fastapi import Depends, Request
 from fastapi.security import APIKeyCookie, HTTPAuthorizationCredentials, HTTPBearer
 
+from api.auth_limits import FailedAuthLimiter
 from api.ui.sessions import COOKIE, CSRF_HEADER, Session, Sessions, csrf_problem
 from service.auth import Principal
 from service.store import JobRecord, JobStore
@@ -73,11 +74,35 @@ def session_principal(state: AppState, session_id: str | None) -> tuple[Session,
     return None if principal is None else (sess, principal)
 
 
+def client_address(request: Request) -> str:
+    return request.client.host if request.client is not None else "-"
+
+
 def current_principal(
     request: Request,
     creds: HTTPAuthorizationCredentials | None = Depends(bearer),
     session_id: str | None = Depends(session_cookie),
     state: AppState = Depends(get_state),
+) -> Principal:
+    limiter: FailedAuthLimiter | None = state.extra.get("auth_limiter")
+    client = client_address(request)
+    if limiter is not None:
+        wait = limiter.retry_after(client)
+        if wait is not None:
+            raise ApiError(429, "too_many_failed_authentications",
+                           f"too many failed authentications from {client}: at most {limiter.max_failures} in "
+                           f"{limiter.window_s:.0f} s; retry after {wait} s with a valid token",
+                           headers={"Retry-After": str(wait)})
+    try:
+        return _authenticate(request, creds, session_id, state)
+    except ApiError as e:
+        if e.status == 401 and limiter is not None:
+            limiter.failed(client)
+        raise
+
+
+def _authenticate(
+    request: Request, creds: HTTPAuthorizationCredentials | None, session_id: str | None, state: AppState,
 ) -> Principal:
     challenge = {"WWW-Authenticate": "Bearer"}
     if (creds is None or not creds.credentials) and session_id:
@@ -100,7 +125,8 @@ def current_principal(
         )
     principal = state.store.principal_for_token(creds.credentials)
     if principal is None:
-        raise ApiError(401, "unauthorized", "the bearer token is not valid (unknown or revoked)", headers=challenge)
+        raise ApiError(401, "unauthorized", "the bearer token is not valid (unknown, expired or revoked); ask an "
+                       "admin for a new one (`unbroken token create`)", headers=challenge)
     request.state.principal = principal
     return principal
 
@@ -117,6 +143,16 @@ def visible_job(job_id: str, principal: Principal, state: AppState) -> JobRecord
 # with {job_id} in its path gets the job this caller may see, or answers 404 before it runs).
 State = Annotated[AppState, Depends(get_state)]
 Caller = Annotated[Principal, Depends(current_principal)]
+
+
+def _admin_dep(principal: Caller) -> Principal:
+    if not principal.is_admin:
+        raise ApiError(403, "forbidden", f"{principal.name!r} is not an admin; only admins manage tokens and read "
+                       "the audit log")
+    return principal
+
+
+AdminCaller = Annotated[Principal, Depends(_admin_dep)]
 
 
 def _visible_job_dep(job_id: str, principal: Caller, state: State) -> JobRecord:

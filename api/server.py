@@ -108,6 +108,26 @@ class ServeOptions:
     quota_jobs: int | None = None
     quota_workers: int | None = None
     max_body_bytes: int = 1 << 20
+    tls_cert: str | None = None  # PEM certificate (chain); with tls_key the server speaks HTTPS only
+    tls_key: str | None = None
+
+
+def check_tls(cert: str | None, key: str | None) -> None:
+    """Both or neither, and readable files: else a ValueError naming the option and the fix."""
+    if (cert is None) != (key is None):
+        raise ValueError("--tls-cert and --tls-key go together: pass both (PEM certificate and its private key) "
+                         "or neither")
+    for opt, path in (("--tls-cert", cert), ("--tls-key", key)):
+        if path is not None and not Path(path).is_file():
+            raise ValueError(f"{opt} {path!r} is not a readable file; pass the PEM file's path")
+    if cert is not None and key is not None:
+        import ssl
+
+        try:
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
+        except (ssl.SSLError, OSError) as e:
+            raise ValueError(f"--tls-cert {cert!r} and --tls-key {key!r} do not load as a PEM certificate and "
+                             f"its private key ({e}); check the files and that the key matches") from e
 
 
 def connect_ray(opts: ServeOptions) -> None:
@@ -159,10 +179,11 @@ def run_server(opts: ServeOptions) -> None:
     from api.app import create_app
     from service.scheduler import Quota, QuotaPolicy, Scheduler
 
+    check_tls(opts.tls_cert, opts.tls_key)
     sock = listen_socket(opts.host, opts.port)
     db = normalize_db_url(opts.db or os.environ.get("UNBROKEN_DB") or default_db_url())
     store = JobStore(db)
-    url = f"http://{opts.host}:{opts.port}"
+    url = f"{'https' if opts.tls_cert else 'http'}://{opts.host}:{opts.port}"
     _, token_path = ensure_admin_token(store, url)
     scheduler = None
     if not opts.no_ray:
@@ -172,10 +193,12 @@ def run_server(opts: ServeOptions) -> None:
         scheduler.start()
     app = create_app(store, scheduler, max_body_bytes=opts.max_body_bytes)
     mode = "store only (no Ray)" if scheduler is None else f"Ray {'at ' + opts.address if opts.address else 'embedded'}"
+    if scheduler is not None and not scheduler.leading:
+        mode += "; another server leads the scheduler (this one takes over if it stops)"
     print(f"unbroken API on {url} (docs: {url}/docs); store {db}; {mode}; admin token in {token_path}", flush=True)
     try:
         config = uvicorn.Config(app, host=opts.host, port=opts.port, log_level="warning", access_log=False,
-                                lifespan="off")
+                                lifespan="off", ssl_certfile=opts.tls_cert, ssl_keyfile=opts.tls_key)
         uvicorn.Server(config).run(sockets=[sock])
     finally:
         if scheduler is not None:

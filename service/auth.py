@@ -22,6 +22,7 @@ from typing import Literal
 Role = Literal["user", "admin"]
 ROLES: tuple[str, ...] = ("user", "admin")
 TOKEN_PREFIX = "ubk_"
+MAX_TOKEN_LIFETIME_S = 10 * 365 * 86400.0
 
 
 @dataclass(frozen=True)

@@ -113,3 +113,22 @@ class Token(Base):
     role: Mapped[str] = mapped_column(String(16), nullable=False)
     label: Mapped[str | None] = mapped_column(String(128))
     created_at: Mapped[float] = mapped_column(Float, nullable=False)
+    expires_at: Mapped[float | None] = mapped_column(Float)  # None: never expires
+    revoked_at: Mapped[float | None] = mapped_column(Float)  # set by revocation; the row stays for the audit
+    created_by: Mapped[str | None] = mapped_column(String(128))
+
+
+class AuditEntry(Base):
+    """One mutating request: who (principal or "-" when unauthenticated), what, when, outcome."""
+
+    __tablename__ = "audit"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    ts: Mapped[float] = mapped_column(Float, nullable=False)
+    principal: Mapped[str] = mapped_column(String(128), nullable=False)
+    client: Mapped[str | None] = mapped_column(String(64))
+    method: Mapped[str] = mapped_column(String(16), nullable=False)
+    path: Mapped[str] = mapped_column(String(512), nullable=False)
+    status: Mapped[int] = mapped_column(Integer, nullable=False)
+
+    __table_args__ = (Index("ix_audit_principal_id", "principal", "id"),)

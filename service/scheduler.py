@@ -187,6 +187,10 @@ class Scheduler:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # Several API processes may share one PostgreSQL store: only the holder of this lease admits,
+        # reconciles and checks liveness; the others serve requests and wait to take over.
+        self._lease = store.leader_lease()
+        self.leading = False
         self._last_wait_reason: dict[str, str] = {}
         self._last_liveness = 0.0
         self.handles: dict[str, Any] = {}
@@ -194,7 +198,9 @@ class Scheduler:
     # ---- lifecycle ----------------------------------------------------------------------------
 
     def start(self) -> None:
-        self.reconcile()
+        if self._lease.hold():
+            self.leading = True
+            self.reconcile()
         self._thread = threading.Thread(target=self._loop, name="unbroken-scheduler", daemon=True)
         self._thread.start()
 
@@ -204,6 +210,8 @@ class Scheduler:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+        self._lease.release()
+        self.leading = False
 
     def notify(self) -> None:
         """Something changed (a submit, a finish): run an admission pass soon."""
@@ -212,7 +220,15 @@ class Scheduler:
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                self.tick()
+                if self._lease.hold():
+                    if not self.leading:
+                        log.warning("this scheduler now leads (took the leader lease); reconciling")
+                        self.leading = True
+                        self.reconcile()
+                    self.tick()
+                elif self.leading:
+                    log.warning("this scheduler lost the leader lease; it stops admitting")
+                    self.leading = False
             except Exception:  # keep scheduling: one bad pass must not stop the queue
                 log.exception("scheduler pass failed")
             self._wake.wait(self.interval_s)

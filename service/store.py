@@ -11,6 +11,7 @@ add_checkpoint / add_logs. Terminal statuses are final: a late write never moves
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import logging
@@ -19,16 +20,17 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import wraps
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from sqlalchemy import Engine, create_engine, delete, event, func, insert, or_, select, update
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, OperationalError
 
 from service import auth
-from service.models import CheckpointRow, Event, Job, LogLine, MetricRow, Token
+from service.models import AuditEntry, CheckpointRow, Event, Job, LogLine, MetricRow, Token
 from service.spec import spec_to_private_json  # the one revealer of secrets; the supervisor imports it here
 from service.statuses import ACTIVE, PENDING, RECOVERING, STATUSES, TERMINAL
 
@@ -119,6 +121,51 @@ class CheckpointRecord:
     data: dict[str, Any] | None
 
 
+# How long a write keeps retrying while the database is unreachable (a PostgreSQL restart, a failover):
+# the supervisor's and scheduler's writes wait out a restart; the API's give up sooner and answer 503.
+WRITE_RETRY_S = 120.0
+API_WRITE_RETRY_S = 3.0
+RETRY_AFTER_S = 2  # what a 503 tells clients to wait
+
+
+def store_unavailable(exc: BaseException) -> bool:
+    """The database cannot be reached right now (down, restarting, connection cut): worth retrying."""
+    return isinstance(exc, OperationalError | InterfaceError) or (
+        isinstance(exc, DBAPIError) and bool(exc.connection_invalidated))
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _retried(budget_attr: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """Retry a whole write (its own transaction) while the store is unavailable, for `self.<budget_attr>`
+    seconds; then the last error propagates (the API maps it to 503). Each write is one transaction
+    that either committed or did not, and the writes are conditional or append-only, so a retry after
+    a lost connection does not change a job twice."""
+
+    def deco(fn: Callable[P, R]) -> Callable[P, R]:
+        @wraps(fn)
+        def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+            store = args[0]
+            deadline = time.monotonic() + float(getattr(store, budget_attr))
+            pause = 0.1
+            while True:
+                try:
+                    return fn(*args, **kwargs)
+                except DBAPIError as e:
+                    if not store_unavailable(e) or time.monotonic() + pause > deadline:
+                        raise
+                    log.warning("job store unavailable in %s (%s); retrying in %.1f s",
+                                fn.__name__, type(e.orig).__name__, pause)
+                    time.sleep(pause)
+                    pause = min(pause * 2, 2.0)
+
+        return wrapper
+
+    return deco
+
+
 def new_job_id() -> str:
     return uuid.uuid4().hex[:16]
 
@@ -171,7 +218,9 @@ def make_engine(url: str) -> Engine:
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
     if url.startswith("postgresql"):
-        return create_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True)
+        # pre_ping drops connections a database restart cut; connect_timeout bounds a hung server.
+        return create_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True,
+                             connect_args={"connect_timeout": 5})
     raise ValueError(f"store url {url!r} must be sqlite:///PATH or postgresql+psycopg://USER@HOST/DB")
 
 
@@ -231,11 +280,21 @@ def _job_record(row: Any) -> JobRecord:
 class JobStore:
     """All reads and writes of job state. Safe to share between threads; one per process."""
 
-    def __init__(self, url: str, *, run_migrations: bool = True, max_log_lines: int = MAX_LOG_LINES) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        run_migrations: bool = True,
+        max_log_lines: int = MAX_LOG_LINES,
+        write_retry_s: float = WRITE_RETRY_S,
+        api_write_retry_s: float = API_WRITE_RETRY_S,
+    ) -> None:
         if max_log_lines < 2:
             raise ValueError(f"max_log_lines={max_log_lines} must be at least 2 (a line and the marker)")
         self.url = url
         self.max_log_lines = max_log_lines
+        self.write_retry_s = write_retry_s
+        self.api_write_retry_s = api_write_retry_s
         self.engine = make_engine(url)
         if run_migrations:
             migrate(self.engine)
@@ -248,6 +307,7 @@ class JobStore:
     def _job_exists(self, conn: Any, job_id: str) -> bool:
         return conn.execute(select(Job.seq).where(Job.id == job_id)).first() is not None
 
+    @_retried("write_retry_s")
     def add_event(self, job_id: str, kind: str, message: str, data: dict | None = None) -> None:
         with self.engine.begin() as conn:
             if not self._job_exists(conn, job_id):
@@ -260,6 +320,7 @@ class JobStore:
                 )
             )
 
+    @_retried("write_retry_s")
     def set_status(self, job_id: str, status: str, reason: str | None = None) -> None:
         """Move a job to `status`; a terminal job never moves again. Records a `status` event."""
         if status not in STATUSES:
@@ -288,6 +349,7 @@ class JobStore:
             conn.execute(insert(Event).values(job_id=job_id, ts=now, kind="status", message=msg,
                                               data={"status": status, "reason": reason}))
 
+    @_retried("write_retry_s")
     def add_metrics(self, job_id: str, rows: list[dict]) -> None:
         """One row a step (step, loss, tokens, dp, world_size, generation, step_time_s, tokens_per_s, ...)."""
         if not rows:
@@ -309,6 +371,7 @@ class JobStore:
             if latest["step"] >= int(prev.get("step", -1)):
                 conn.execute(update(Job).where(Job.id == job_id).values(progress={**prev, **latest}))
 
+    @_retried("write_retry_s")
     def add_checkpoint(self, job_id: str, step: int, uri: str, tier: str, data: dict | None = None) -> None:
         with self.engine.begin() as conn:
             if not self._job_exists(conn, job_id):
@@ -324,6 +387,7 @@ class JobStore:
         now = time.time()
         self.add_logs(job_id, [(now, source, x) for x in lines])
 
+    @_retried("write_retry_s")
     def add_logs(self, job_id: str, lines: Sequence[tuple[float, str | None, str]]) -> None:
         """Append (ts, source, line) rows in their order. A line longer than MAX_LOG_LINE_CHARS is cut;
         beyond `max_log_lines` a job keeps its newest lines and one marker line, first, saying how
@@ -381,22 +445,9 @@ class JobStore:
             found = self._by_idempotency_key(owner, idempotency_key, spec_hash)
             if found is not None:
                 return found, False
-        now = time.time()
         job_id = new_job_id()
         try:
-            with self.engine.begin() as conn:
-                conn.execute(insert(Job).values(
-                    id=job_id, name=spec.name, owner=owner, status=PENDING, reason=None,
-                    priority=spec.priority, spec_json=spec_json, spec_public=json.dumps(spec.public_dict()),
-                    spec_hash=spec_hash,
-                    idempotency_key=idempotency_key, min_world=min_world, max_world=max_world,
-                    created_at=now, updated_at=now, cancel_requested=False, recoveries=0,
-                    progress={"total_steps": spec.training.steps},
-                ))
-                conn.execute(insert(Event).values(
-                    job_id=job_id, ts=now, kind="submitted", message=f"submitted by {owner}",
-                    data={"min_world": min_world, "max_world": max_world, "priority": spec.priority},
-                ))
+            self._insert_job(job_id, spec, spec_json, spec_hash, owner, min_world, max_world, idempotency_key)
         except IntegrityError:
             # A concurrent request with the same key won the race.
             if idempotency_key is not None:
@@ -407,6 +458,26 @@ class JobStore:
         job = self.get_job(job_id)
         assert job is not None
         return job, True
+
+    @_retried("api_write_retry_s")
+    def _insert_job(self, job_id: str, spec: Any, spec_json: str, spec_hash: str, owner: str, min_world: int,
+                    max_world: int | None, idempotency_key: str | None) -> None:
+        now = time.time()
+        if self.get_job(job_id) is not None:
+            return  # a retry after a commit whose answer the lost connection swallowed
+        with self.engine.begin() as conn:
+            conn.execute(insert(Job).values(
+                id=job_id, name=spec.name, owner=owner, status=PENDING, reason=None,
+                priority=spec.priority, spec_json=spec_json, spec_public=json.dumps(spec.public_dict()),
+                spec_hash=spec_hash,
+                idempotency_key=idempotency_key, min_world=min_world, max_world=max_world,
+                created_at=now, updated_at=now, cancel_requested=False, recoveries=0,
+                progress={"total_steps": spec.training.steps},
+            ))
+            conn.execute(insert(Event).values(
+                job_id=job_id, ts=now, kind="submitted", message=f"submitted by {owner}",
+                data={"min_world": min_world, "max_world": max_world, "priority": spec.priority},
+            ))
 
     def _by_idempotency_key(self, owner: str, key: str, spec_hash: str) -> JobRecord | None:
         with self.engine.connect() as conn:
@@ -464,6 +535,7 @@ class JobStore:
         nxt = encode_cursor(page[-1].seq) if len(rows) > limit and page else None
         return page, nxt
 
+    @_retried("api_write_retry_s")
     def delete_job(self, job_id: str) -> None:
         """Delete a finished job and everything recorded about it."""
         with self.engine.begin() as conn:
@@ -478,6 +550,7 @@ class JobStore:
                 conn.execute(delete(table).where(table.job_id == job_id))
             conn.execute(delete(Job).where(Job.id == job_id))
 
+    @_retried("api_write_retry_s")
     def request_cancel(self, job_id: str) -> JobRecord:
         """Mark that cancellation was asked for (the scheduler or supervisor acts on it)."""
         with self.engine.begin() as conn:
@@ -548,6 +621,7 @@ class JobStore:
             ).all()
         return [_job_record(r) for r in rows]
 
+    @_retried("write_retry_s")
     def mark_admitted(self, job_id: str) -> bool:
         """PENDING and not yet admitted → admitted; False if someone else got there (or it was cancelled)."""
         now = time.time()
@@ -578,26 +652,176 @@ class JobStore:
 
     # ---- tokens ------------------------------------------------------------------------------
 
-    def create_token(self, principal: str, role: str = "user", label: str | None = None) -> str:
+    def create_token(self, principal: str, role: str = "user", label: str | None = None, *,
+                     expires_in_s: float | None = None, created_by: str | None = None) -> str:
         """Make a new token for `principal`; returns the token text (only its hash is stored)."""
+        return self.issue_token(principal, role, label, expires_in_s=expires_in_s, created_by=created_by)[1]
+
+    @_retried("api_write_retry_s")
+    def issue_token(self, principal: str, role: str = "user", label: str | None = None, *,
+                    expires_in_s: float | None = None, created_by: str | None = None) -> tuple[TokenRecord, str]:
+        """A new token for `principal` valid for `expires_in_s` seconds (None: until revoked);
+        returns (its record, its text). The text is shown once: only its hash is stored."""
         if role not in auth.ROLES:
             raise ValueError(f"role {role!r} must be one of {auth.ROLES}")
         if not principal or len(principal) > 128:
             raise ValueError("principal must be 1 to 128 characters")
+        if expires_in_s is not None and not (0 < expires_in_s <= auth.MAX_TOKEN_LIFETIME_S):
+            raise ValueError(f"expires_in_s={expires_in_s} must be above 0 and at most "
+                             f"{auth.MAX_TOKEN_LIFETIME_S:.0f} (10 years); leave it out for a token that never expires")
         token = auth.new_token()
+        now = time.time()
         with self.engine.begin() as conn:
-            conn.execute(insert(Token).values(token_hash=auth.hash_token(token), principal=principal,
-                                              role=role, label=label, created_at=time.time()))
-        return token
+            res = conn.execute(insert(Token).values(
+                token_hash=auth.hash_token(token), principal=principal, role=role,
+                label=None if label is None else label[:128], created_at=now,
+                expires_at=None if expires_in_s is None else now + expires_in_s, created_by=created_by,
+            ))
+            token_id = int(res.inserted_primary_key[0])
+        rec = self.get_token(token_id)
+        assert rec is not None
+        return rec, token
 
     def principal_for_token(self, token: str) -> auth.Principal | None:
+        """Whom a token speaks for; None when it is unknown, revoked or expired."""
         with self.engine.connect() as conn:
             row = conn.execute(
-                select(Token.principal, Token.role).where(Token.token_hash == auth.hash_token(token))
+                select(Token.principal, Token.role).where(
+                    Token.token_hash == auth.hash_token(token), Token.revoked_at.is_(None),
+                    or_(Token.expires_at.is_(None), Token.expires_at > time.time()))
             ).first()
         return None if row is None else auth.Principal(row[0], row[1])
 
-    def revoke_tokens(self, principal: str) -> int:
-        with self.engine.begin() as conn:
-            return int(conn.execute(delete(Token).where(Token.principal == principal)).rowcount)
+    def get_token(self, token_id: int) -> TokenRecord | None:
+        with self.engine.connect() as conn:
+            row = conn.execute(select(*_TOKEN_COLS).where(Token.id == token_id)).first()
+        return None if row is None else TokenRecord(*row)
 
+    def list_tokens(self, *, principal: str | None = None, include_revoked: bool = False) -> list[TokenRecord]:
+        """Tokens (never their text nor hash), oldest first."""
+        q = select(*_TOKEN_COLS).order_by(Token.id)
+        if principal is not None:
+            q = q.where(Token.principal == principal)
+        if not include_revoked:
+            q = q.where(Token.revoked_at.is_(None))
+        with self.engine.connect() as conn:
+            return [TokenRecord(*r) for r in conn.execute(q).all()]
+
+    @_retried("api_write_retry_s")
+    def revoke_token(self, token_id: int) -> bool:
+        """Revoke one token at once (its sessions end too); False if no such token or revoked already."""
+        with self.engine.begin() as conn:
+            res = conn.execute(update(Token).where(Token.id == token_id, Token.revoked_at.is_(None))
+                               .values(revoked_at=time.time()))
+            return bool(res.rowcount)
+
+    @_retried("api_write_retry_s")
+    def revoke_tokens(self, principal: str) -> int:
+        """Revoke every token of `principal`; returns how many."""
+        with self.engine.begin() as conn:
+            return int(conn.execute(update(Token).where(Token.principal == principal, Token.revoked_at.is_(None))
+                                    .values(revoked_at=time.time())).rowcount)
+
+    # ---- the audit log -------------------------------------------------------------------------
+
+    @_retried("api_write_retry_s")
+    def add_audit(self, principal: str, client: str | None, method: str, path: str, status: int) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(insert(AuditEntry).values(ts=time.time(), principal=principal[:128],
+                                                   client=None if client is None else client[:64],
+                                                   method=method[:16], path=path[:512], status=int(status)))
+
+    def audit(self, *, after_id: int = 0, limit: int = 100, principal: str | None = None) -> list[AuditRecord]:
+        """Audit entries after `after_id`, oldest first."""
+        q = select(*_AUDIT_COLS).where(AuditEntry.id > after_id).order_by(AuditEntry.id).limit(limit)
+        if principal is not None:
+            q = q.where(AuditEntry.principal == principal)
+        with self.engine.connect() as conn:
+            return [AuditRecord(*r) for r in conn.execute(q).all()]
+
+    # ---- the scheduler's leader lease ----------------------------------------------------------
+
+    def leader_lease(self, key: int = 74281954) -> LeaderLease:
+        """The lease one scheduler among several API processes holds (see LeaderLease)."""
+        return LeaderLease(self.engine, key)
+
+
+@dataclass(frozen=True)
+class TokenRecord:
+    id: int
+    principal: str
+    role: str
+    label: str | None
+    created_at: float
+    expires_at: float | None
+    revoked_at: float | None
+    created_by: str | None
+
+
+_TOKEN_COLS = [Token.id, Token.principal, Token.role, Token.label, Token.created_at, Token.expires_at,
+               Token.revoked_at, Token.created_by]
+
+
+@dataclass(frozen=True)
+class AuditRecord:
+    id: int
+    ts: float
+    principal: str
+    client: str | None
+    method: str
+    path: str
+    status: int
+
+
+_AUDIT_COLS = [AuditEntry.id, AuditEntry.ts, AuditEntry.principal, AuditEntry.client, AuditEntry.method,
+               AuditEntry.path, AuditEntry.status]
+
+
+class LeaderLease:
+    """Leadership among processes sharing one PostgreSQL: a session-level advisory lock held on a
+    connection of its own. The database frees it the moment that connection ends (the process died,
+    the network cut it, the server restarted), so another process's `hold()` takes it within one poll.
+    On SQLite (one process by design) the lease is always held."""
+
+    def __init__(self, engine: Engine, key: int) -> None:
+        self.engine = engine
+        self.key = key
+        self._conn: Any = None
+        self.is_postgres = engine.dialect.name == "postgresql"
+
+    def hold(self) -> bool:
+        """True while this process leads: checks the held lock's connection, or tries to take it."""
+        if not self.is_postgres:
+            return True
+        try:
+            if self._conn is not None:
+                self._conn.exec_driver_sql("SELECT 1")
+                self._conn.commit()
+                return True
+            conn = self.engine.connect()
+            got = conn.exec_driver_sql(f"SELECT pg_try_advisory_lock({int(self.key)})").scalar()
+            conn.commit()  # the session lock outlives the transaction; no transaction stays open
+            if got:
+                self._conn = conn
+                return True
+            conn.close()
+            return False
+        except DBAPIError as e:
+            log.warning("leader lease lost (%s: %s)", type(e).__name__, e)
+            self._drop()
+            return False
+
+    def _drop(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):  # already gone
+                conn.invalidate()  # never back to the pool: the lock must die with this session
+
+    def release(self) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.exec_driver_sql(f"SELECT pg_advisory_unlock({int(self.key)})")
+                self._conn.commit()
+            except DBAPIError:
+                pass
+            self._drop()

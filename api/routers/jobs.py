@@ -15,10 +15,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from api import schemas
-from api.deps import ApiError, Caller, State, VisibleJob
+from api.deps import ApiError, AppState, Caller, State, VisibleJob
 from service import submission
 from service.statuses import CANCELLED, STATUSES, TERMINAL
-from service.store import IdempotencyConflictError, JobNotTerminalError, JobRecord
+from service.store import IdempotencyConflictError, JobNotTerminalError, JobRecord, JobStore, LogRecord
 
 router = APIRouter(prefix="/v1", tags=["jobs"])
 T = TypeVar("T")
@@ -202,7 +202,7 @@ def _resume_point(request: Request, after: int) -> int:
 
 def _follow(
     request: Request,
-    state: Any,
+    state: AppState,
     job_id: str,
     read: Callable[[int], Sequence[T]],
     frame: Callable[[T], tuple[int, str]],
@@ -305,21 +305,21 @@ async def job_metrics(
                    after_step, poll_s, FOLLOW_LINGER_S)
 
 
-def _log_line(x: Any) -> schemas.LogLine:
+def _log_line(x: LogRecord) -> schemas.LogLine:
     return schemas.LogLine(id=x.id, ts=x.ts, source=x.source, line=x.line)
 
 
-def _log_frame(x: Any) -> tuple[int, str]:
+def _log_frame(x: LogRecord) -> tuple[int, str]:
     return x.id, f"id: {x.id}\nevent: log\ndata: {_log_line(x).model_dump_json()}\n\n"
 
 
 LOG_PAGE = 10000  # lines a read of the store takes while looking for a tail
 
 
-def _log_tail(store: Any, job_id: str, after: int, n: int) -> list[Any]:
+def _log_tail(store: JobStore, job_id: str, after: int, n: int) -> list[LogRecord]:
     """The newest `n` lines after id `after`, oldest first. The store reads lines oldest first only,
     so this pages through them here (a job keeps at most the store's max_log_lines), not the browser."""
-    tail: deque[Any] = deque(maxlen=n)
+    tail: deque[LogRecord] = deque(maxlen=n)
     while page := store.logs(job_id, after, LOG_PAGE):
         tail.extend(page)
         after = page[-1].id

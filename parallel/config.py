@@ -159,6 +159,12 @@ class ModelConfig(_Strict):
         self._derived = frozenset(derived)
         return self
 
+    def __eq__(self, other: object) -> bool:
+        """Equal when every field is (what was derived and what was given alike)."""
+        return isinstance(other, ModelConfig) and self.__dict__ == other.__dict__
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, as every BaseModel
+
     @property
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads

@@ -53,7 +53,8 @@ def test_steps_and_recoveries_read_back(tmp_path: Path) -> None:
         tb.log_recovery(3, 1, "node_lost", "dp 4 -> 3")
     acc = read(tmp_path / "tb")
     tags = set(acc.Tags()["scalars"])
-    assert tags == set(SCALARS.values()) - {"perf/mfu"}  # no MFU on CPU: no made-up series
+    # No MFU on CPU and no eval set here: no made-up series.
+    assert tags == set(SCALARS.values()) - {"perf/mfu", "eval/loss", "eval/perplexity"}
     assert values(acc, "train/loss") == [(s.step, pytest.approx(s.loss)) for s in ss]
     assert values(acc, "train/lr") == [(s.step, pytest.approx(s.lr)) for s in ss]
     assert values(acc, "train/grad_norm") == [(s.step, pytest.approx(s.grad_norm)) for s in ss]

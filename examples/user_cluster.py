@@ -29,7 +29,8 @@ UNBROKEN = str(Path(sys.executable).with_name("unbroken"))
 RAY = str(Path(sys.executable).with_name("ray"))
 
 
-def _session_pids(sid: int) -> set[int]:
+def session_pids(sid: int) -> set[int]:
+    """The processes of session `sid` (from /proc)."""
     out = set()
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
@@ -42,7 +43,7 @@ def _session_pids(sid: int) -> set[int]:
     return out
 
 
-def _cmdline(pid: int) -> str:
+def cmdline(pid: int) -> str:
     try:
         return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
@@ -55,8 +56,8 @@ def stop_sessions(sids: list[int], marker: str) -> None:
     def ours() -> set[int]:
         found: set[int] = set()
         for sid in sids:
-            found |= _session_pids(sid)
-        return found | {int(p) for p in os.listdir("/proc") if p.isdigit() and marker in _cmdline(int(p))}
+            found |= session_pids(sid)
+        return found | {int(p) for p in os.listdir("/proc") if p.isdigit() and marker in cmdline(int(p))}
 
     mine = {os.getpid(), os.getsid(0)}  # never this test process or its session
     for sig in (signal.SIGTERM, signal.SIGKILL):

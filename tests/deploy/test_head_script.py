@@ -25,6 +25,7 @@ import httpx
 import pytest
 import yaml
 
+from examples.user_cluster import cmdline, session_pids
 from service.local_cluster import free_port
 from tests.deploy.validation import REPO
 
@@ -42,26 +43,6 @@ def head_script() -> str:
 def replace_once(s: str, old: str, new: str, n: int = 1) -> str:
     assert s.count(old) == n, f"the head script changed: expected {old!r} {n} time(s)"
     return s.replace(old, new)
-
-
-def session_pids(sid: int) -> list[int]:
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[3]) == sid:  # field 6 of /proc/PID/stat: the session id
-                out.append(int(d.name))
-    return out
-
-
-def cmdline(pid: int) -> str:
-    try:
-        return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
 
 
 def ours(sid: int, temp: str) -> set[int]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,7 +120,8 @@ class Client:
     `url` (or $UNBROKEN_URL) may name several API servers sharing one store, comma-separated
     ("http://a:8420,http://b:8420"): a server that cannot be reached is skipped for the next, for up
     to `retry_s` seconds (a request that may have reached a dead server is retried only if it is
-    safe to repeat: any GET or DELETE, a POST only when it never connected). An answer 503 (the store
+    safe to repeat: any GET or DELETE, a POST with an Idempotency-Key, as every submit has, or one
+    that never connected). An answer 503 (the store
     is restarting) is retried after its Retry-After for up to `retry_s` seconds, on any server."""
 
     def __init__(self, url: str | None = None, token: str | None = None, *, timeout: float = 30.0,
@@ -152,7 +154,8 @@ class Client:
                 r = self._http.request(method, self.url + path, **kw)
             except httpx.TransportError as e:
                 failed_in_row += 1
-                repeatable = method != "POST" or isinstance(e, httpx.ConnectError | httpx.ConnectTimeout)
+                repeatable = (method != "POST" or isinstance(e, httpx.ConnectError | httpx.ConnectTimeout)
+                              or "Idempotency-Key" in (kw.get("headers") or {}))
                 if len(self.urls) == 1 or not repeatable or time.monotonic() >= deadline:
                     raise errors.ServerUnavailable(
                         f"cannot reach the Unbroken API at {', '.join(self.urls)} ({type(e).__name__}: {e}); "
@@ -182,8 +185,9 @@ class Client:
     # ---- jobs -----------------------------------------------------------------------------------
 
     def submit(self, spec: Any, *, idempotency_key: str | None = None) -> Job:
-        """Submit a JobSpec, a dict of sections, or the path of a job.yaml; returns the stored job."""
-        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        """Submit a JobSpec, a dict of sections, or the path of a job.yaml; returns the stored job.
+        Without an idempotency_key the SDK makes one, so a retry on another server never submits twice."""
+        headers = {"Idempotency-Key": idempotency_key or f"sdk-{uuid.uuid4().hex}"}
         r = self._request("POST", "/v1/jobs", **_spec_body(spec, headers, "submit"))
         return Job.model_validate(r.json())
 

@@ -374,3 +374,18 @@ def format_validation_error(err: ValidationError, prefix: str = "") -> str:
         msg = e["msg"].removeprefix("Value error, ")
         lines.append(f"{loc or '(top level)'}: {msg}")
     return "\n".join(lines)
+
+
+def resolve_local_paths(model: ModelConfig, data: DataConfig) -> None:
+    """Make a job's local paths absolute, in place, as its author meant them (relative to the folder the
+    command runs in), whatever folder a rank later reads them in: data (and eval) paths and tokenizers,
+    and model.init_from."""
+    from pathlib import Path
+
+    def absolute(p: str | None) -> str | None:
+        return None if p is None else str(Path(p).expanduser().resolve())
+
+    data.path, data.tokenizer = absolute(data.path), absolute(data.tokenizer)
+    if data.eval is not None:
+        data.eval.path, data.eval.tokenizer = absolute(data.eval.path), absolute(data.eval.tokenizer)
+    model.init_from = absolute(model.init_from)

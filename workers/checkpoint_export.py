@@ -35,6 +35,7 @@ from workers.export_source import (
     ExportSourceError,
     check_given_model,
     model_config_from_file,
+    recorded_tokenizer,
 )
 
 RUN_CHECKPOINTS = "checkpoints"  # where a service run keeps them by default (<output_dir>/checkpoints)
@@ -229,7 +230,8 @@ def resolve_checkpoint(source: str, opts: ExportOptions) -> ExportSource | None:
             except StorageError as e:
                 raise ExportSourceError(f"reading {info.uri} failed: {e}{_storage_hint(root)}") from None
             origin = f"checkpoint {info.uri} (step {info.step}, generation {info.generation})"
-            return ExportSource(state, cfg, origin, tuple(notes))
+            recorded = info.manifest.config if info.manifest is not None else None
+            return ExportSource(state, cfg, origin, tuple(notes), recorded_tokenizer(recorded))
         raise ExportSourceError(f"no loadable checkpoint under {root}: " + "; ".join(notes))
     finally:
         mgr.close()

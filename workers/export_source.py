@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -34,6 +34,26 @@ class ExportSource(NamedTuple):
     model: ModelConfig
     origin: str  # what was read, for the user: "final state in ...", "checkpoint ... (step N)"
     notes: tuple[str, ...] = ()  # e.g. newer checkpoints that were skipped, and why
+    tokenizer: str | None = None  # the tokenizer the job trained with (written beside the weights), if any
+
+
+def recorded_tokenizer(engine: dict[str, Any] | None) -> str | None:
+    """The tokenizer a recorded engine config trained with: data.tokenizer, or the one a prepared data folder
+    carries; None for byte-level data (or when it is no longer on this machine: then --tokenizer says it)."""
+    data = (engine or {}).get("data")
+    if not isinstance(data, dict):
+        return None
+    from parallel.config import DataConfig
+    from parallel.data.corpus import is_prepared, prepared_tokenizer
+
+    try:
+        cfg = DataConfig.model_validate(data)
+        path = cfg.tokenizer
+        if path is None and cfg.kind == "tokens" and cfg.path and is_prepared(cfg.path):
+            path = prepared_tokenizer(cfg.path)
+    except (ValueError, OSError):
+        return None
+    return str(path) if path is not None and Path(path).expanduser().exists() else None
 
 
 def model_config_from_file(path: str | Path) -> ModelConfig:
@@ -63,7 +83,7 @@ def model_config_from_file(path: str | Path) -> ModelConfig:
 
 # What the exported folder depends on: a --model-config must agree on these with a recorded config.
 _EXPORTED_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "kv_heads", "ffn_dim", "norm_eps", "rope_theta",
-                    "max_seq_len", "tie_embeddings", "moe")  # fmt: skip
+                    "max_seq_len", "tie_embeddings", "moe", "head_dim", "qkv_bias", "qk_norm", "family")  # fmt: skip
 
 
 def check_given_model(recorded: ModelConfig, opts: ExportOptions, where: str) -> None:

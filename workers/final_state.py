@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from parallel.config import EngineConfig
-from workers.export_source import ExportOptions, ExportSource, check_given_model
+from workers.export_source import ExportOptions, ExportSource, check_given_model, recorded_tokenizer
 
 FINAL_DIR = "final"
 WEIGHTS_FILE = "model.safetensors"
@@ -62,5 +62,6 @@ def resolve_final_state(source: str, opts: ExportOptions) -> ExportSource | None
         if is_final_dir(candidate):
             state, cfg = load_final_state(candidate)
             check_given_model(cfg.model, opts, str(candidate / CONFIG_FILE))
-            return ExportSource(state, cfg.model, f"final state in {candidate}")
+            return ExportSource(state, cfg.model, f"final state in {candidate}", (),
+                                recorded_tokenizer(cfg.model_dump(mode="json")))
     return None

@@ -1,7 +1,8 @@
 """The start-up probe: what a job needs from a worker node, checked there before the gang starts.
 
 The API cannot check these (it may run elsewhere, without the data or the credentials): the data
-opens and yields its first batch, `model.init_from` exists, and the checkpoint root (and
+section passes parallel.data.check.check_data (paths, tokenizer, vocabulary, formats) and yields its
+first batch, `model.init_from` exists, and the checkpoint root (and
 `checkpoint.resume_from`) can be listed with the job's credentials. A problem found here is
 deterministic, so the job fails at once with it instead of going through recoveries.
 """
@@ -31,7 +32,11 @@ def probe_job(cfg: Any, ckpt_cfg: Any, default_root: str) -> list[str]:
 
 def _probe_data(cfg: Any) -> list[str]:
     from parallel.data import DataLoader
+    from parallel.data.check import check_data
 
+    quick = check_data(cfg)  # paths, tokenizer against model.vocab_size, formats: each with its fix
+    if quick:
+        return quick
     t = cfg.training
     try:
         loader = DataLoader(cfg.data, t.seq_len, t.global_batch_size, cfg.model.vocab_size)

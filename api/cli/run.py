@@ -89,8 +89,9 @@ def run_job(
         spec.training.output_dir = str(Path(named).expanduser().resolve())
     spec = resolve_job_paths(spec, jid, Path("runs"))
     out_dir = Path(str(spec.training.output_dir))
-    if spec.data.path:
-        spec.data.path = str(Path(spec.data.path).expanduser().resolve())
+    from parallel.config import resolve_local_paths
+
+    resolve_local_paths(spec.model, spec.data)
     import ray
 
     from service.local_cluster import LocalCluster

@@ -47,13 +47,14 @@ class JobProgress:
     generation: int | None = None
     recoveries: int = 0
     reason: str | None = None
+    eval_loss: float | None = None
 
     @classmethod
     def of(cls, job: Job) -> JobProgress:
         p = job.progress
         return cls(job_id=job.id, status=job.status, step=p.step, total_steps=p.total_steps, loss=p.loss,
                    tokens_per_s=p.tokens_per_s, dp=p.dp, generation=p.generation, recoveries=p.recoveries,
-                   reason=job.reason)
+                   reason=job.reason, eval_loss=p.eval_loss)
 
     def __str__(self) -> str:
         parts = [f"job {self.job_id} {self.status}"]
@@ -61,6 +62,8 @@ class JobProgress:
             parts.append(f"step {self.step or 0}" + (f"/{self.total_steps}" if self.total_steps is not None else ""))
         if self.loss is not None:
             parts.append(f"loss {self.loss:.4f}")
+        if self.eval_loss is not None:
+            parts.append(f"eval loss {self.eval_loss:.4f}")
         if self.tokens_per_s is not None:
             parts.append(f"{self.tokens_per_s:,.0f} tokens/s")
         if self.dp is not None:

@@ -15,6 +15,7 @@ class Progress(BaseModel):
     step: int | None = None
     total_steps: int | None = None
     loss: float | None = None
+    eval_loss: float | None = Field(None, description="the newest held-out loss (jobs with data.eval)")
     tokens_per_s: float | None = None
     dp: int | None = None
     world_size: int | None = None

@@ -69,8 +69,9 @@ def _watch(c: Client, job_id: str) -> Any:
 
         def update(p: JobProgress) -> None:
             step = f"{p.step or 0}/{p.total_steps}" if p.total_steps else str(p.step or 0)
-            info = (f"{p.status} {step} loss {_fmt(p.loss, '.4f')} tok/s {_fmt(p.tokens_per_s, ',.0f')} "
-                    f"dp {_fmt(p.dp)} rec {p.recoveries}")
+            info = (f"{p.status} {step} loss {_fmt(p.loss, '.4f')} "
+                    + (f"eval {_fmt(p.eval_loss, '.4f')} " if p.eval_loss is not None else "")
+                    + f"tok/s {_fmt(p.tokens_per_s, ',.0f')} dp {_fmt(p.dp)} rec {p.recoveries}")
             bar.update(task, total=p.total_steps, completed=p.step or 0, info=info)
 
         return c.wait(job_id, progress_callback=update, poll_s=1.0, raise_on_failure=False)
@@ -156,7 +157,7 @@ def status(
         ("id", job.id), ("name", job.name), ("owner", job.owner), ("status", job.status),
         ("reason", job.reason or "-"), ("priority", job.priority),
         ("world", f"{job.min_world}..{job.max_world if job.max_world is not None else 'fill'} workers"),
-        ("step", "-" if p.step is None else f"{p.step}/{p.total_steps}"), ("loss", _fmt(p.loss, ".4f")),
+        ("step", "-" if p.step is None else f"{p.step}/{p.total_steps}"), ("loss", _fmt(p.loss, ".4f")), ("eval loss", _fmt(p.eval_loss, ".4f")),
         ("tokens/s", _fmt(p.tokens_per_s, ",.0f")), ("dp", _fmt(p.dp)), ("world_size", _fmt(p.world_size)),
         ("generation", _fmt(p.generation)), ("recoveries", p.recoveries), ("created", _ts(job.created_at)),
         ("started", _ts(job.started_at)), ("finished", _ts(job.finished_at)),

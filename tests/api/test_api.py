@@ -378,3 +378,18 @@ def until_jobs(store: JobStore, owner: str, timeout: float = 30.0) -> list[Any]:
             return jobs
         time.sleep(0.05)
     raise AssertionError(f"no job of {owner} appeared")
+
+
+def test_progress_carries_the_newest_eval_loss(api: Api) -> None:
+    """A held-out loss reaches the job's progress (the SDK's JobProgress and the CLI's line) and stays
+    until a newer one, though most rows carry none."""
+    from api.client import JobProgress
+
+    _, token = api.user()
+    with Client(api.url, token) as c:
+        j = c.submit(TINY)
+        api.store.add_metrics(j.id, [{"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.8, "eval_loss": 4.9}])
+        api.store.add_metrics(j.id, [{"step": 3, "loss": 4.6}])
+        job = c.get(j.id)
+        assert (job.progress.step, job.progress.eval_loss) == (3, 4.9)
+        assert "eval loss 4.9000" in str(JobProgress.of(job))

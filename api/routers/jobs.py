@@ -41,6 +41,7 @@ def job_out(rec: JobRecord, *, with_spec: bool = True) -> schemas.Job:
         step=p.get("step"),
         total_steps=steps,
         loss=p.get("loss"),
+        eval_loss=p.get("eval_loss"),
         tokens_per_s=p.get("tokens_per_s"),
         dp=p.get("dp"),
         world_size=p.get("world_size"),

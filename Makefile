@@ -33,6 +33,7 @@ test: install
 demo: install
 	$(PY) -m examples.demo
 
+fuzz: install ; UNBROKEN_FUZZ_REQUESTS=5000 $(PY) -m pytest -q -s tests/api/test_fuzz_stateful.py
 bench: install
 	$(PY) -m tests.benchmarks.run_all
 

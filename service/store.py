@@ -6,6 +6,10 @@ The schema is created and upgraded by Alembic when a store opens (service/migrat
 Two kinds of caller: the API (create, read, list, delete, cancel) and each job's supervisor,
 which reports from inside a Ray actor through add_event / set_status / add_metrics /
 add_checkpoint / add_logs. Terminal statuses are final: a late write never moves a finished job.
+
+Writes retry while the database is unreachable (a PostgreSQL restart): the supervisor's and the
+scheduler's for `write_retry_s`, the API's for `api_write_retry_s` (then the API answers 503). Also
+here: API tokens (expiry, revocation), the audit log, and the scheduler's leader lease (LeaderLease).
 """
 
 from __future__ import annotations

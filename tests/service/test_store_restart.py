@@ -1,6 +1,6 @@
 """The job store's PostgreSQL restarted mid-job (a private server): while it is down the API answers
 503 with Retry-After (never 500), a supervisor-like writer in another process keeps retrying and
-loses nothing, and an SDK call made during the outage succeeds once the store is back."""
+loses nothing, and SDK and CLI calls made during the outage succeed once the store is back."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ import time
 from pathlib import Path
 
 import httpx
+from typer.testing import CliRunner
 
 from api.app import create_app
+from api.cli import app as cli
 from api.client import Client
 from api.server import BackgroundServer
 from service.spec import parse_spec
@@ -71,12 +73,20 @@ def test_postgres_restart_mid_job_loses_nothing() -> None:
                     seen["job"] = c.get(job.id)
                     seen["new"] = c.submit({"name": "after-the-restart"})
 
-            sdk = threading.Thread(target=sdk_call)
-            sdk.start()
+            def cli_call() -> None:  # the CLI is the SDK's client: it waits out the 503s too
+                seen["cli"] = CliRunner().invoke(cli, ["status", job.id],
+                                                 env={"UNBROKEN_URL": server.url, "UNBROKEN_TOKEN": token})
+
+            calls = [threading.Thread(target=sdk_call), threading.Thread(target=cli_call)]
+            for t in calls:
+                t.start()
             time.sleep(max(0.0, 3.0 - (time.monotonic() - t_down)))
             pg.start()
-            sdk.join(60)
+            for t in calls:
+                t.join(60)
             assert "new" in seen, "the SDK did not get through after the restart"
+            cli_result = seen["cli"]
+            assert cli_result.exit_code == 0 and job.id in cli_result.output, cli_result.output
             out, err = writer.communicate(timeout=120)
             assert writer.returncode == 0 and out.strip().endswith("done"), err[-2000:]
             assert "unavailable" in err or "retrying" in err  # it did wait out the outage

@@ -69,11 +69,11 @@ def test_cluster_shape() -> None:
     assert head["rayStartParams"]["num-cpus"] == "0"
     assert "nvidia.com/gpu" not in str(head["template"]["spec"]["containers"][0]["resources"])
     # supervisors go to the CPU group: it carries the resource service/supervisor.py asks for
-    from service.local_cluster import NODE_RESOURCE_PREFIX
+    from checkpointing.keeper import CONTROL_RESOURCE
 
     cpu = spec["workerGroupSpecs"][0]
     assert cpu["groupName"] == "cpu" and cpu["minReplicas"] >= 1
-    assert json.loads(json.loads(cpu["rayStartParams"]["resources"])) == {f"{NODE_RESOURCE_PREFIX}head": 1}
+    assert json.loads(json.loads(cpu["rayStartParams"]["resources"])) == {CONTROL_RESOURCE: 1}
     # an autoscaled GPU group
     gpu = [g for g in spec["workerGroupSpecs"] if "nvidia.com/gpu" in str(g["template"]["spec"]["containers"][0])]
     assert gpu and spec["enableInTreeAutoscaling"] is True

@@ -38,13 +38,11 @@ import numpy as np
 import ray
 from ray.actor import ActorHandle
 
+# The names live in checkpointing.naming (CONTROL_RESOURCE is re-exported for older importers).
+from checkpointing.naming import CONTROL_RESOURCE, NAMESPACE, NODE_RESOURCE_PREFIX, keeper_name  # noqa: F401
+
 log = logging.getLogger("unbroken.keeper")
 
-NAMESPACE = "unbroken"
-# Node resources, named here once: readable names for simulated nodes (service.local_cluster, see
-# node_name_of), and the marker of nodes meant for the control path, where supervisors run.
-NODE_RESOURCE_PREFIX = "unbroken_node_"
-CONTROL_RESOURCE = "unbroken_control"
 KEEPER_CONCURRENCY = 16
 KEEP_COMMITTED = 2
 
@@ -58,10 +56,6 @@ class KeeperMemoryFull(RuntimeError):
 
 class StaleGeneration(RuntimeError):
     """A shard or commit from a generation older than the job's fence."""
-
-
-def keeper_name(node: str) -> str:
-    return f"keeper-{node}"
 
 
 @dataclass

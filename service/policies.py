@@ -1,47 +1,61 @@
 """Small policy objects the supervisor consults: failures, scaling, stragglers.
 
 Pure logic (no Ray), so each rule is tested on its own and the supervisor stays a loop of
-"observe, ask the policy, act".
+"observe, ask the policy, act". The supervisor gets them passed in (`Policies`), so another rule is
+another object, not an edit of the supervisor.
 """
 
 from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import NamedTuple
 
-# What the supervisor can observe going wrong.
-FAILURE_KINDS = (
-    "worker_died",       # ActorDiedError from a worker, or its process gone
-    "node_died",         # the worker's node is dead in Ray's view
-    "hang",              # no heartbeat for heartbeat_timeout_s
-    "collective_error",  # a worker's collective failed (a peer went away, a timeout)
-    "step_error",        # an exception in the training step
-    "straggler",         # replaced because it was too slow
-    "build_error",       # the engine could not be built (config, weights): no retry helps
-)
+
+class FailureKind(StrEnum):
+    """What the supervisor can observe going wrong."""
+
+    WORKER_DIED = "worker_died"            # ActorDiedError from a worker, or its process gone
+    NODE_DIED = "node_died"                # the worker's node is dead in Ray's view
+    HANG = "hang"                          # no heartbeat for heartbeat_timeout_s
+    COLLECTIVE_ERROR = "collective_error"  # a worker's collective failed (a peer went away, a timeout)
+    STEP_ERROR = "step_error"              # an exception in the training step
+    STRAGGLER = "straggler"                # replaced because it was too slow
+    BUILD_ERROR = "build_error"            # the engine could not be built (config, weights): no retry helps
+
+
+FAILURE_KINDS = tuple(k.value for k in FailureKind)
+
+
+class FailureDecision(NamedTuple):
+    """Whether to recover from a failure, and when not, why (a sentence for the job's reason)."""
+
+    recover: bool
+    reason: str = ""
 
 
 @dataclass
 class FailurePolicy:
     max_recoveries: int
-    fatal_kinds: frozenset[str] = frozenset({"build_error"})
+    fatal_kinds: frozenset[str] = frozenset({FailureKind.BUILD_ERROR})
     # The same rank failing in its step at the same step this often is a bug in the job, not a fault.
     max_same_step_errors: int = 3
     _step_errors: dict[int, int] = field(default_factory=dict)
 
-    def decide(self, kind: str, recoveries_done: int, step: int | None = None) -> tuple[bool, str]:
-        """(recover?, why not)."""
+    def decide(self, kind: str, recoveries_done: int, step: int | None = None) -> FailureDecision:
         if kind in self.fatal_kinds:
-            return False, f"a {kind} is not recoverable"
-        if kind == "step_error" and step is not None:
+            return FailureDecision(False, f"a {kind} is not recoverable")
+        if kind == FailureKind.STEP_ERROR and step is not None:
             self._step_errors[step] = self._step_errors.get(step, 0) + 1
             if self._step_errors[step] >= self.max_same_step_errors:
-                return False, f"step {step + 1} failed {self._step_errors[step]} times: the error is in the job"
+                return FailureDecision(
+                    False, f"step {step + 1} failed {self._step_errors[step]} times: the error is in the job")
         if recoveries_done >= self.max_recoveries:
-            return False, (
+            return FailureDecision(False, (
                 f"max_recoveries={self.max_recoveries} reached; raise fault_tolerance.max_recoveries to allow more"
-            )
-        return True, ""
+            ))
+        return FailureDecision(True)
 
 
 @dataclass
@@ -72,7 +86,7 @@ class StragglerPolicy:
     """
 
     factor: float
-    action: str = "warn"  # or "replace"
+    action: str = "warn"  # or "replace": see `replaces`
     patience: int = 3
     _late: dict[str, int] = field(default_factory=dict)
 
@@ -93,5 +107,19 @@ class StragglerPolicy:
                 self._late.pop(w, None)
         return slow
 
+    @property
+    def replaces(self) -> bool:
+        """Whether a straggler is replaced (a failure of kind STRAGGLER) rather than only reported."""
+        return self.action == "replace"
+
     def reset(self) -> None:
         self._late.clear()
+
+
+@dataclass
+class Policies:
+    """The rules a supervisor follows, passed to it whole."""
+
+    failures: FailurePolicy
+    scaling: ScalingPolicy
+    stragglers: StragglerPolicy

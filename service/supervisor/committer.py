@@ -1,0 +1,118 @@
+"""The snapshot committer: keepers on the job's nodes, the ranks' snapshot acks, and the commit.
+
+A snapshot (generation, step) is committed once every rank acknowledged it and the keepers hold the
+copies; only up to the last step whose metrics row is written, so a restore never skips a step
+whose row was lost (e.g. held in memory when this supervisor crashed): it goes back and re-runs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+from service.supervisor.context import JobFailed, JobRun
+from service.supervisor.reporter import Reporter
+
+log = logging.getLogger("unbroken.supervisor")
+
+
+class SnapshotCommitter:
+    def __init__(self, run: JobRun, reporter: Reporter) -> None:
+        self.run = run
+        self.reporter = reporter
+        self.keepers: dict[str, Any] = {}
+        self._acks: dict[tuple[int, int], dict[str, Any]] = {}  # (generation, step) -> world, ranks
+        self.committed: tuple[int, int] | None = None  # the newest committed snapshot (generation, step)
+        self.snapshot_errors = 0
+
+    def on_ack(self, generation: int, step: int, rank: int, world_size: int, ok: bool) -> None:
+        """A rank's snapshot note (called under the run's lock)."""
+        if not ok:
+            self.snapshot_errors += 1
+            return
+        key = (generation, step)
+        if self.committed is None or key > self.committed:
+            self._acks.setdefault(key, {"world": world_size, "ranks": set()})["ranks"].add(rank)
+
+    def ensure_keepers(self, slots: list[Any]) -> None:
+        """A keeper on every node the job uses (kept for nodes it used before, while they live).
+
+        Nodes are named from Ray itself (checkpointing.keeper.node_name_of), so this works on any
+        cluster. One node means one copy of each shard: said once, as a warning event."""
+        spec = self.run.spec
+        if not spec.checkpoint.in_memory_every:
+            return
+        from checkpointing.keeper import ensure_keepers, node_ids_by_name
+
+        alive = node_ids_by_name()
+        nodes = {str(s.info["node_name"]) for s in slots if s.info and s.info.get("node_name")}
+        for name in list(self.keepers):
+            if name not in nodes and name not in alive:
+                self.keepers.pop(name)  # its node is gone, and its memory with it
+        missing = sorted(nodes - set(self.keepers))
+        if missing:
+            try:
+                self.keepers.update(ensure_keepers(missing, memory_limit_mb=spec.checkpoint.keeper_memory_limit_mb))
+            except (TimeoutError, ValueError) as e:
+                self.reporter.event("keepers_missing", f"in-memory snapshots: no keeper on node(s) "
+                                    f"{', '.join(missing)} ({e}); their ranks' snapshots go to the other nodes' "
+                                    "keepers", nodes=missing)
+        if not self.keepers:
+            raise JobFailed("checkpoint.in_memory_every is set but no node could hold an in-memory snapshot "
+                            "(no keeper could be started); set checkpoint.in_memory_every: 0 or check the cluster")
+        if len(self.keepers) < 2 and "one_copy" not in self.reporter.warnings:
+            self.reporter.warnings.append("one_copy")
+            only = next(iter(self.keepers))
+            self.reporter.event("warning", f"In-memory snapshots are kept on one node only ({only}): a worker "
+                                "failure recovers from memory, but the loss of that node falls back to the last "
+                                "persistent checkpoint. Add a second node to keep a second copy.",
+                                node=only, copies=1)
+
+    def commit(self) -> None:
+        """Commit the newest snapshot every rank has acknowledged, up to the last written metrics row."""
+        self.reporter.flush_metrics()
+        with self.run.lock:
+            ready = sorted((k for k, v in self._acks.items()
+                            if len(v["ranks"]) >= v["world"] and k[1] <= self.reporter.last_row_step),
+                           reverse=True)
+        if not ready or not self.keepers:
+            return
+        from checkpointing.keeper import commit_snapshot
+
+        for key in ready:
+            try:
+                ok = commit_snapshot(self.keepers, self.run.job_id, key[0], key[1], self._acks[key]["world"])
+            except Exception as e:  # noqa: BLE001 - an uncommitted snapshot only costs steps
+                log.warning("commit of snapshot %s failed: %s", key, e)
+                ok = False
+            if ok:
+                with self.run.lock:
+                    self.committed = key
+                    for k in [k for k in self._acks if k <= key]:
+                        self._acks.pop(k)
+                return
+
+    def restore_target(self) -> dict[str, Any]:
+        """The committed snapshot a new generation restores ({"step": None, ...} when there is none)."""
+        self.commit()
+        if self.committed is None and self.keepers:  # e.g. after our own restart: ask the keepers
+            from checkpointing.keeper import committed_snapshots
+
+            with contextlib.suppress(Exception):
+                ids = committed_snapshots(self.keepers, self.run.job_id)
+                if ids:
+                    self.committed = (int(ids[-1][0]), int(ids[-1][1]))
+        if self.committed is None:
+            return {"step": None, "generation": None}
+        return {"generation": self.committed[0], "step": self.committed[1]}
+
+    def drop_job(self) -> int:
+        """Free the job's keeper memory; the bytes freed."""
+        if not self.keepers:
+            return 0
+        with contextlib.suppress(Exception):
+            from checkpointing.keeper import drop_job
+
+            return int(drop_job(self.keepers, self.run.job_id))
+        return 0

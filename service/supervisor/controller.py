@@ -1,0 +1,298 @@
+"""The supervisor's controller: the job's life as states that carry their data, one `step()` at a time.
+
+    Starting | Adopting -> Running <-> Recovering(failure), Running <-> Growing,
+    Running -> Finished;  any -> Cancelled | Failed(reason)
+
+`step()` runs the current state's work and moves to the state it returns; `run()` steps until a
+final state has run. Every rule it applies comes from the policies it is given (service.policies).
+The job states users see (service.state_machine) are reported by the states as they happen.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from dataclasses import dataclass
+
+import ray
+
+from service.policies import Policies
+from service.state_machine import JobState
+from service.supervisor.committer import SnapshotCommitter
+from service.supervisor.context import CancelRequested, JobFailed, JobRun
+from service.supervisor.detection import Failure
+from service.supervisor.generations import GenerationEnd, Generations
+from service.supervisor.pool import ReplicaPool, ReplicaState
+from service.supervisor.reporter import RecoveryTiming, Reporter
+
+_START_GRACE_S = 2.0
+
+
+@dataclass
+class Starting:
+    """A new job: reserve and start replicas, check the first node, launch generation 0."""
+
+
+@dataclass
+class Adopting:
+    """This supervisor restarted: take over the job's live workers and re-form from the last state."""
+
+
+@dataclass
+class Running:
+    """A generation trains; watched until it ends."""
+
+
+@dataclass
+class Recovering:
+    failure: Failure
+
+
+@dataclass
+class Growing:
+    """The generation paused at a snapshot boundary: the next one takes the spare replicas in."""
+
+
+@dataclass
+class Finished:
+    """Every rank finished."""
+
+
+@dataclass
+class Cancelled:
+    """The user cancelled."""
+
+
+@dataclass
+class Failed:
+    reason: str
+    traceback: str | None = None
+
+
+State = Starting | Adopting | Running | Recovering | Growing | Finished | Cancelled | Failed
+FINAL = (Finished, Cancelled, Failed)
+
+
+class Controller:
+    def __init__(self, run: JobRun, reporter: Reporter, pool: ReplicaPool, committer: SnapshotCommitter,
+                 generations: Generations, policies: Policies) -> None:  # fmt: skip
+        self.run = run
+        self.reporter = reporter
+        self.pool = pool
+        self.committer = committer
+        self.gens = generations
+        self.policies = policies
+        self.state: State = Adopting() if run.restarted else Starting()
+
+    def run_to_end(self) -> None:
+        """Step until a final state has done its work (reported the end)."""
+        while True:
+            prev = self.state
+            self.step()
+            if isinstance(prev, Failed) or (isinstance(prev, FINAL) and self.state is prev):
+                return
+
+    def step(self) -> None:
+        """Do the current state's work; move to the next state."""
+        try:
+            self.state = self._dispatch(self.state)
+        except JobFailed as e:
+            self.state = Failed(str(e))
+        except CancelRequested:
+            self.state = Cancelled()
+        except Exception as e:  # noqa: BLE001 - the job fails with the reason; the actor stays to say so
+            self.state = Failed(f"supervisor error: {type(e).__name__}: {e}", traceback.format_exc())
+
+    def _dispatch(self, state: State) -> State:
+        match state:
+            case Starting():
+                return self._start()
+            case Adopting():
+                return self._adopt()
+            case Running():
+                return self._watch()
+            case Recovering(failure=failure):
+                return self._recover(failure)
+            case Growing():
+                return self._grow()
+            case Finished():
+                self.reporter.to(JobState.FINISHING, "every rank finished")
+                self.reporter.flush_metrics()
+                self.reporter.to(JobState.SUCCEEDED, "finished")
+                steps = self.reporter.last_row_step
+                self.reporter.event("finished", f"job finished: {steps} steps, {self.run.recoveries} "
+                                    "recovery(ies)", steps=steps, recoveries=self.run.recoveries)
+                return state
+            case Cancelled():
+                self.gens.stop_all()
+                self.reporter.to(JobState.CANCELLED, "cancelled")
+                self.reporter.event("cancelled", "job cancelled")
+                return state
+            case Failed(reason=reason, traceback=tb):
+                self.reporter.fail(reason, tb)
+                return state
+        raise AssertionError(f"unknown controller state {state!r}")
+
+    # ----------------------------------------------------------------- the states' work
+    def _start(self) -> State:
+        run, pool = self.run, self.pool
+        self.reporter.event("started", f"The supervisor of job {run.job_id} started; the job's folder is "
+                            f"{run.output_dir}.", dp_min=run.dp_min, dp_max=run.dp_max, model_parallel=run.mp,
+                            output_dir=str(run.output_dir), checkpoint_uri=run.spec.checkpoint.uri)
+        for _ in range(run.dp_max):
+            pool.request()
+        deadline = time.monotonic() + run.ft.wait_for_capacity_s
+        grace_until: float | None = None
+        while True:
+            run.check_cancel()
+            pool.advance()
+            ready = pool.count(ReplicaState.READY)
+            if ready >= run.dp_max:
+                break
+            if ready >= run.dp_min and pool.count(ReplicaState.STARTING) == 0:
+                grace_until = grace_until or time.monotonic() + _START_GRACE_S
+                if time.monotonic() >= grace_until:
+                    break
+            if time.monotonic() > deadline and pool.count(ReplicaState.STARTING) == 0:
+                raise JobFailed(
+                    f"only {ready} of the dp.min={run.dp_min} replica(s) ({run.mp} worker(s) each, "
+                    f"{run.per_worker} per worker) could start within wait_for_capacity_s="
+                    f"{run.ft.wait_for_capacity_s:g}; add capacity or lower resources.dp.min"
+                )
+            time.sleep(0.05)
+        reps = pool.in_state(ReplicaState.READY)
+        self.gens.probe(reps[0].slots[0])
+        ck = run.spec.checkpoint
+        self.gens.launch(0, reps[: run.dp_max], restore=ck.resume or bool(ck.resume_from))
+        self.reporter.to(JobState.RUNNING, "workers started")
+        return Running()
+
+    def _adopt(self) -> State:
+        self.reporter.event("supervisor_restarted", "the supervisor restarted; finding the job's workers")
+        last_gen = self.pool.adopt()
+        self.reporter.event("adopted", f"found {sum(len(r.slots) for r in self.pool.replicas.values())} live "
+                            f"worker(s) of generation {last_gen}", generation=last_gen)
+        self.run.generation = last_gen
+        dp = self.policies.scaling.choose(self.pool.count(ReplicaState.READY))
+        if dp is None:
+            dp = self._wait_for_capacity()
+        reps = self.pool.in_state(ReplicaState.READY)[:dp]
+        self.pool.top_up()
+        self.gens.launch(last_gen + 1, reps, restore=True)
+        self.reporter.to(JobState.RUNNING, "re-formed after a supervisor restart")
+        return Running()
+
+    def _watch(self) -> State:
+        end = self.gens.watch()
+        if end is GenerationEnd.FINISHED:
+            return Finished()
+        if end is GenerationEnd.CANCELLED:
+            return Cancelled()
+        if end is GenerationEnd.PAUSED:
+            return Growing()
+        assert isinstance(end, Failure)
+        return Recovering(end)
+
+    def _recover(self, failure: Failure) -> State:
+        run, pool, reporter = self.run, self.pool, self.reporter
+        t_detect = failure.t_detect
+        reporter.close_recovery()  # an earlier recovery still replaying: it ends here, with what it reached
+        old_dp, old_gen = run.dp, run.generation
+        last_step = run.last_step_seen
+        decision = self.policies.failures.decide(failure.kind, run.recoveries, failure.step)
+        reporter.event("failure_detected", failure.detail, kind=failure.kind.value, generation=old_gen,
+                       workers=[s.name for s in failure.slots], ranks=[s.rank for s in failure.slots],
+                       step=last_step, recover=decision.recover,
+                       detect_s=(t_detect - failure.t_fault) if failure.t_fault else None)
+        if not decision.recover:  # deterministic (a start-up error, the same step failing again): no recovery
+            self.gens.stop(pool.active_slots(), failure.slots)
+            raise JobFailed(f"{failure.detail.rstrip('.')}; not recovering: {decision.reason}")
+        reporter.to(JobState.RECOVERING, failure.detail)
+        run.recoveries += 1
+        from workers import telemetry
+
+        telemetry.record_recovery(run.job_id, failure.kind.value)
+        self.gens.pausing = None
+        active = pool.in_state(ReplicaState.ACTIVE)
+        slots = [s for r in active for s in r.slots]
+        self.gens.stop(slots, failure.slots)
+        for s in slots:  # a rank whose own step raised (not a broken collective) is replaced
+            res = s.result or {}
+            if s.dead is None and res.get("status") == "error" and not res.get("collective"):
+                pool.kill(s, "its step raised")
+        for rep in active:
+            if any(s.dead is not None for s in rep.slots):
+                pool.drop(rep, "lost a member")
+            else:
+                rep.state = ReplicaState.READY
+        pool.top_up()
+        dp = self.policies.scaling.choose(pool.count(ReplicaState.READY))
+        if dp is None:
+            dp = self._wait_for_capacity()
+        if dp < old_dp:
+            self._check_resize_fits(dp)
+        reps = pool.in_state(ReplicaState.READY)[:dp]
+        t_launch = time.time()
+        self.gens.launch(old_gen + 1, reps, restore=True)
+        if dp != old_dp:
+            reporter.event("resized", f"dp {old_dp} -> {dp} (world {old_dp * run.mp} -> {dp * run.mp})",
+                           old_dp=old_dp, new_dp=dp, generation=run.generation, cause=failure.kind.value)
+        reporter.begin_recovery(RecoveryTiming(
+            kind=failure.kind.value, cause=failure.cause(), t_fault=failure.t_fault, t_detect=t_detect,
+            t_launch=t_launch, last_step=last_step, generation=run.generation))
+        reporter.to(JobState.RUNNING, f"re-formed at dp={dp}")
+        return Running()
+
+    def _grow(self) -> State:
+        run, pool = self.run, self.pool
+        self.reporter.to(JobState.RESIZING, "growing")
+        old_dp = run.dp
+        self.gens.pausing = None
+        active = pool.in_state(ReplicaState.ACTIVE)
+        spares = pool.in_state(ReplicaState.READY)
+        add = self.policies.scaling.wants_growth(old_dp, len(spares))
+        reps = active + spares[:add]
+        self.gens.launch(run.generation + 1, reps, restore=True)
+        self.reporter.event("resized", f"dp {old_dp} -> {len(reps)} (world {old_dp * run.mp} -> "
+                            f"{len(reps) * run.mp})", old_dp=old_dp, new_dp=len(reps), generation=run.generation,
+                            cause="growth")
+        self.reporter.to(JobState.RUNNING, f"grown to dp={len(reps)}")
+        return Running()
+
+    # ----------------------------------------------------------------- helpers
+    def _check_resize_fits(self, dp: int) -> None:
+        """The planner's memory check at the smaller dp (a bigger share of the fixed global batch and
+        of the model states per rank): fail with the reason rather than run out of memory."""
+        from service.autolayout import check_resize, cluster_for_job
+
+        try:
+            cluster = cluster_for_job(self.run.spec, ray.cluster_resources()).cluster
+            reasons = check_resize(self.run.spec, dp, cluster)
+        except Exception as e:  # a job or cluster the planner cannot model: say so and go on
+            self.reporter.event("resize_check", f"memory not re-checked at dp={dp}: {e}", dp=dp, fits=None)
+            return
+        if reasons:
+            raise JobFailed(f"shrinking to dp={dp} would not fit in memory: {'; '.join(reasons[:3])}")
+        self.reporter.event("resize_check", f"dp={dp} still fits in memory (planner)", dp=dp, fits=True)
+
+    def _wait_for_capacity(self) -> int:
+        """Below dp.min: wait for replacements up to wait_for_capacity_s, then fail."""
+        run, pool = self.run, self.pool
+        wait = run.ft.wait_for_capacity_s
+        alive = pool.count(ReplicaState.READY)
+        self.reporter.event("waiting_for_capacity",
+                            f"{alive} replica(s) alive, below dp.min={run.dp_min}; waiting up to {wait:g}s",
+                            alive=alive, dp_min=run.dp_min)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            run.check_cancel()
+            pool.top_up()
+            pool.advance()
+            dp = self.policies.scaling.choose(pool.count(ReplicaState.READY))
+            if dp is not None:
+                return dp
+            time.sleep(0.2)
+        raise JobFailed(
+            f"below dp.min={run.dp_min}: only {pool.count(ReplicaState.READY)} replica(s) of {run.mp} worker(s) "
+            f"alive after waiting wait_for_capacity_s={wait:g}; add capacity or lower resources.dp.min"
+        )

@@ -1,0 +1,132 @@
+"""Failure detection: what ended a worker's run call, silent workers (hangs), stragglers, and which
+of a generation's failures is the root cause.
+
+Chaos faults are named by their kind (the worker's `fault` note arrives before it acts).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+from service.policies import FailureKind, StragglerPolicy
+from service.supervisor.context import JobRun
+from service.supervisor.pool import Slot
+from service.supervisor.reporter import Reporter
+from service.supervisor.words import cause_phrase, first_line
+
+
+@dataclass
+class Failure:
+    kind: FailureKind
+    slots: list[Slot]
+    detail: str
+    t_detect: float
+    t_fault: float | None = None
+    step: int | None = None
+
+    def cause(self) -> str:
+        return cause_phrase(self.kind, [s.rank for s in self.slots])
+
+
+def root_cause(found: list[Failure]) -> Failure:
+    """Peers of the failed rank fail too (their collectives break): name the cause, not them."""
+    return min(found, key=lambda f: f.kind == FailureKind.COLLECTIVE_ERROR)
+
+
+class FailureDetector:
+    def __init__(self, run: JobRun, reporter: Reporter, stragglers: StragglerPolicy) -> None:
+        self.run = run
+        self.reporter = reporter
+        self.stragglers = stragglers
+
+    def collect(self, s: Slot) -> Failure | None:
+        """Read a finished run call; a failure when it did not end well."""
+        try:
+            s.result = ray.get(s.run_ref)
+        except ActorUnavailableError:
+            return None  # suspect, not dead: heartbeats decide
+        except (ActorDiedError, RayActorError) as e:
+            s.result = {"status": "dead", "error": str(e)}
+            s.dead = "died"
+            kind = FailureKind.NODE_DIED if self._node_dead(s) else FailureKind.WORKER_DIED
+            return Failure(kind, [s], self._death_text(s, kind, e), time.time(), t_fault=self._fault_time(s))
+        res = s.result
+        if res["status"] in ("finished", "paused"):
+            return None
+        if res["status"] == "error":
+            formed = s.name in self.run.formed
+            kind = (FailureKind.COLLECTIVE_ERROR if res.get("collective")
+                    else FailureKind.STEP_ERROR if formed else FailureKind.BUILD_ERROR)
+            return Failure(kind, [s] if kind != FailureKind.COLLECTIVE_ERROR else [],
+                           f"{s.name} (rank {s.rank}): {first_line(res.get('error', ''))}",
+                           time.time(), t_fault=res.get("time"), step=res.get("step"))
+        return Failure(FailureKind.COLLECTIVE_ERROR, [], f"{s.name} (rank {s.rank}) stopped: {res['status']}",
+                       time.time())
+
+    def hung(self, slots: list[Slot], hbs: dict[str, tuple[float, dict[str, Any]]], now: float) -> Failure | None:
+        """The first running worker silent for over heartbeat_timeout_s."""
+        hb_timeout = self.run.ft.heartbeat_timeout_s
+        for s in slots:
+            if s.result is not None:
+                continue
+            seen = hbs.get(s.name, (None, None))[0]
+            if seen is not None and now - seen > hb_timeout:
+                fault = self.fault_of(s)
+                cause = f" (hung by chaos: {fault['kind']})" if fault else ""
+                return Failure(FailureKind.HANG, [s], f"Rank {s.rank} ({s.short}) sent no heartbeat "
+                               f"for {now - seen:.1f}s{cause}; heartbeat_timeout_s={hb_timeout:g}.", now,
+                               t_fault=seen)
+        return None
+
+    def check_stragglers(self, slots: list[Slot]) -> Failure | None:
+        """Complete steps' timings to the straggler policy: a failure when it says replace, else events."""
+        run = self.run
+        names = {s.name for s in slots}
+        with run.lock:
+            complete = sorted(st for st, rep in run.step_reports.items() if set(rep["gap"]) >= names)
+            reports = [run.step_reports.pop(st) for st in complete]
+        for rep in reports:
+            for name in self.stragglers.observe(rep["gap"], rep["time"]):
+                s = next(x for x in slots if x.name == name)
+                msg = (f"{name} (rank {s.rank}) is a straggler: its own time per step is over "
+                       f"{self.stragglers.factor:g}x the median")
+                if self.stragglers.replaces:
+                    return Failure(FailureKind.STRAGGLER, [s], msg, time.time())
+                self.reporter.event("straggler", msg, worker=name, rank=s.rank, action="warn")
+        return None
+
+    def _node_dead(self, s: Slot) -> bool:
+        node = (s.info or {}).get("node_id")
+        if node is None:
+            return False
+        for n in ray.nodes():
+            if n["NodeID"] == node:
+                return not n.get("Alive", False)
+        return True
+
+    def _fault_time(self, s: Slot) -> float | None:
+        f = self.fault_of(s)
+        return float(f["time"]) if f else None
+
+    def fault_of(self, s: Slot) -> dict[str, Any] | None:
+        """The chaos fault that fired in this worker's current generation, if any."""
+        with self.run.lock:
+            for f in reversed(self.run.faults):
+                if f.get("worker") == s.name and f.get("generation") == self.run.generation:
+                    return f
+        return None
+
+    def _death_text(self, s: Slot, kind: FailureKind, e: BaseException) -> str:
+        """One sentence, the cause first: chaos by name; a node loss; else Ray's first line."""
+        who = f"Rank {s.rank} ({s.short} on node {(s.info or {}).get('node_name', '?')})"
+        fault = self.fault_of(s)
+        if fault is not None:
+            return f"{who} was stopped by chaos ({fault['kind']} before step {int(fault['step']) + 1})."
+        if kind == FailureKind.NODE_DIED:
+            return f"{who} was lost with its node."
+        return f"{who} died: {first_line(e)}"

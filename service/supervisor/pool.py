@@ -1,0 +1,281 @@
+"""The replica pool: one placement group and tp x pp x cp worker actors per data-parallel replica.
+
+A replica moves PENDING (reserved, waiting for its bundles) -> STARTING (workers created) -> READY
+(a spare, every worker answered) -> ACTIVE (in the current generation) -> back to READY between
+generations; DEAD once a member is lost or it is dropped. Nothing here blocks: `advance` moves
+replicas along as far as they can go now.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError
+
+from checkpointing.naming import worker_name, worker_number, worker_prefix
+from service.placement import ReplicaReservation, release, release_job_groups, reserve_replica
+from service.supervisor.context import JobRun
+from service.supervisor.reporter import Reporter
+from service.supervisor.words import first_line, plural
+
+
+class ReplicaState(StrEnum):
+    PENDING = "pending"
+    STARTING = "starting"
+    READY = "ready"  # a spare: every worker answered, not in the current generation
+    ACTIVE = "active"
+    DEAD = "dead"
+
+
+# Where the live replicas are: counted against dp_max when asking for replacements.
+LIVE = (ReplicaState.ACTIVE, ReplicaState.READY, ReplicaState.STARTING, ReplicaState.PENDING)
+
+
+@dataclass
+class Slot:
+    """One worker actor."""
+
+    name: str
+    handle: Any
+    replica: int
+    local: int
+    info_ref: Any = None
+    info: dict[str, Any] | None = None
+    rank: int = -1
+    run_ref: Any = None
+    result: dict[str, Any] | None = None
+    dead: str | None = None  # why, once it is known dead
+    suspect_since: float | None = None
+
+    @property
+    def short(self) -> str:
+        return self.name.rsplit("/", 1)[-1]
+
+
+@dataclass
+class Replica:
+    index: int
+    res: ReplicaReservation | None
+    slots: list[Slot] = field(default_factory=list)
+    state: ReplicaState = ReplicaState.PENDING
+    since: float = field(default_factory=time.monotonic)
+
+
+class ReplicaPool:
+    def __init__(self, run: JobRun, reporter: Reporter) -> None:
+        self.run = run
+        self.reporter = reporter
+        self.replicas: dict[int, Replica] = {}
+        self._next_replica = 0
+        self._next_worker = 0
+
+    # ----------------------------------------------------------------- views
+    def count(self, *states: ReplicaState) -> int:
+        return sum(1 for r in self.replicas.values() if r.state in states)
+
+    def in_state(self, state: ReplicaState) -> list[Replica]:
+        return sorted((r for r in self.replicas.values() if r.state == state), key=lambda r: r.index)
+
+    def active_slots(self) -> list[Slot]:
+        return [s for r in self.replicas.values() if r.state == ReplicaState.ACTIVE for s in r.slots]
+
+    # ----------------------------------------------------------------- growing the pool
+    def request(self) -> Replica:
+        idx = self._next_replica
+        self._next_replica += 1
+        rep = Replica(idx, reserve_replica(self.run.job_id, idx, self.run.mp, self.run.per_worker))
+        self.replicas[idx] = rep
+        return rep
+
+    def top_up(self) -> None:
+        """Ask for replacements so active + spares + on the way reach dp_max (they start when capacity allows)."""
+        while self.count(*LIVE) < self.run.dp_max:
+            self.request()
+
+    def _spawn(self, rep: Replica) -> None:
+        from service.store import spec_to_private_json
+        from workers.worker import Worker
+
+        run = self.run
+        assert rep.res is not None
+        engine = spec_engine_json(run)
+        ckpt = spec_to_private_json(run.spec.checkpoint)  # workers need the real S3 keys, not the mask
+        env = dict(run.spec.runtime_env.env_vars)
+        env.update({k: v.get_secret_value() for k, v in run.spec.runtime_env.secret_env_vars.items()})
+        env.setdefault("OMP_NUM_THREADS", "1")
+        for local in range(run.mp):
+            n = self._next_worker
+            self._next_worker += 1
+            name = worker_name(run.job_id, n)
+            opts = {
+                "job_id": run.job_id, "output_dir": str(run.output_dir),
+                "heartbeat_interval_s": run.ft.heartbeat_interval_s,
+                "collective_timeout_s": run.ft.collective_timeout_s,
+                "chaos": [c.model_dump() for c in run.spec.chaos],
+                "replica": rep.index, "local": local,
+            }
+            cls = ray.remote(Worker)
+            handle = cls.options(
+                name=name, namespace=run.namespace, lifetime="detached", max_concurrency=8, max_restarts=0,
+                num_cpus=run.per_worker.get("CPU", 0.0), num_gpus=run.per_worker.get("GPU", 0.0),
+                resources={k: v for k, v in run.per_worker.items() if k not in ("CPU", "GPU")} or None,
+                scheduling_strategy=rep.res.strategy(local), runtime_env={"env_vars": env},
+            ).remote(name, engine, ckpt, opts, run.self_handle)
+            slot = Slot(name, handle, rep.index, local)
+            slot.info_ref = handle.info.remote()
+            rep.slots.append(slot)
+        rep.state = ReplicaState.STARTING
+        rep.since = time.monotonic()
+
+    def advance(self) -> None:
+        """Move replicas along without blocking: granted bundles get workers, started workers get ready."""
+        for rep in list(self.replicas.values()):
+            if rep.state == ReplicaState.PENDING and rep.res is not None and rep.res.ready(0):
+                self._spawn(rep)
+            elif rep.state == ReplicaState.STARTING:
+                refs = [s.info_ref for s in rep.slots]
+                done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+                if len(done) < len(refs):
+                    continue
+                try:
+                    for s in rep.slots:
+                        s.info = ray.get(s.info_ref)
+                    rep.state = ReplicaState.READY
+                    where = sorted({str(s.info.get("node_name")) for s in rep.slots if s.info})
+                    self.reporter.event("replica_ready", f"Replica {rep.index} is ready: "
+                                        f"{plural(self.run.mp, 'worker')} on node {', '.join(where)}.",
+                                        replica=rep.index, nodes=where)
+                except RayActorError as e:
+                    self.reporter.event("replica_failed", f"Replica {rep.index} failed to start: {first_line(e)}",
+                                        replica=rep.index)
+                    self.drop(rep)
+
+    # ----------------------------------------------------------------- shrinking it
+    def drop(self, rep: Replica, why: str = "dropped") -> None:
+        for s in rep.slots:
+            if s.dead is None:
+                s.dead = why
+            with contextlib.suppress(Exception):
+                ray.kill(s.handle, no_restart=True)
+        if rep.res is not None:
+            release(rep.res)
+        rep.state = ReplicaState.DEAD
+
+    def kill(self, s: Slot, why: str) -> None:
+        """A worker that must not take part again: marked dead and killed."""
+        if s.dead is None:
+            s.dead = why
+        with contextlib.suppress(Exception):
+            ray.kill(s.handle, no_restart=True)
+
+    def write_off(self, s: Slot, why: str) -> None:
+        """A culprit (maybe hung or stopped): killed, and SIGKILLed at once when it runs on this host."""
+        self.kill(s, why)  # a hung worker's sockets close: its peers fail fast
+        _sigkill_if_local(s)
+
+    def release_all(self) -> None:
+        """Workers and placement groups of the job: all go (also those an instance that crashed started)."""
+        run = self.run
+        for rep in self.replicas.values():
+            for s in rep.slots:
+                with contextlib.suppress(Exception):
+                    ray.kill(s.handle, no_restart=True)
+            if rep.res is not None:
+                release(rep.res)
+        with contextlib.suppress(Exception):
+            for name in self._named_workers():
+                with contextlib.suppress(Exception):
+                    ray.kill(ray.get_actor(name, namespace=run.namespace), no_restart=True)
+        with contextlib.suppress(Exception):
+            release_job_groups(run.job_id)
+
+    # ----------------------------------------------------------------- after a supervisor restart
+    def _named_workers(self) -> list[str]:
+        prefix = worker_prefix(self.run.job_id)
+        return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                if a.get("namespace") == self.run.namespace and str(a.get("name", "")).startswith(prefix)]
+
+    def adopt(self) -> int:
+        """Find the job's workers by name, stop their generation, keep whole idle replicas as READY
+        (with their placement groups), release the rest; returns the last generation they ran."""
+        run = self.run
+        slots: list[Slot] = []
+        for name in self._named_workers():
+            with contextlib.suppress(Exception):
+                h = ray.get_actor(name, namespace=run.namespace)
+                info = ray.get(h.info.remote(), timeout=10)
+                slots.append(Slot(name, h, int(info.get("replica", -1)), int(info.get("local", 0)), info=info))
+                self._next_worker = max(self._next_worker, worker_number(name) + 1)
+        last_gen = max([int(s.info["generation"]) for s in slots if s.info] + [0])
+        for s in slots:
+            s.handle.abort.remote(last_gen)  # stop the generation the crashed instance ran
+        deadline = time.monotonic() + run.ft.collective_timeout_s + 10
+        while time.monotonic() < deadline:
+            phases = []
+            for s in slots:
+                try:
+                    s.info = ray.get(s.handle.info.remote(), timeout=5)
+                    phases.append(s.info["phase"])
+                except Exception:  # noqa: BLE001
+                    s.dead = "gone"
+            if all(p in ("idle", "finished") for p in phases):
+                break
+            time.sleep(0.2)
+        by_rep: dict[int, list[Slot]] = {}
+        for s in slots:
+            if s.dead is None and s.info is not None and s.info["phase"] in ("idle", "finished"):
+                by_rep.setdefault(s.replica, []).append(s)
+            else:
+                with contextlib.suppress(Exception):
+                    ray.kill(s.handle, no_restart=True)
+        from ray.util import get_placement_group
+
+        from service.placement import job_placement_groups, replica_pg_name
+
+        for idx, group in sorted(by_rep.items()):
+            res = None
+            with contextlib.suppress(Exception):  # the replica's detached group, found by name
+                pg = get_placement_group(replica_pg_name(run.job_id, idx))
+                res = ReplicaReservation(idx, pg, pg.ready())
+            rep = Replica(idx, res, sorted(group, key=lambda s: s.local), state=ReplicaState.READY)
+            if len(group) != run.mp:
+                self.drop(rep, "incomplete replica after a supervisor restart")
+                continue
+            self.replicas[idx] = rep
+            self._next_replica = max(self._next_replica, idx + 1)
+        kept = {replica_pg_name(run.job_id, i) for i in self.replicas}
+        for info in job_placement_groups(run.job_id):  # reservations without live workers
+            if info.get("name") not in kept:
+                with contextlib.suppress(Exception):
+                    release(get_placement_group(info["name"]))
+        return last_gen
+
+
+def spec_engine_json(run: JobRun) -> str:
+    """The engine config the workers build, with the job's own output folder."""
+    from parallel.config import EngineConfig
+
+    fields = set(EngineConfig.model_fields)
+    data = {k: v for k, v in run.spec.model_dump(mode="json").items() if k in fields}
+    data["training"]["output_dir"] = str(run.output_dir)
+    return EngineConfig.model_validate(data).model_dump_json()
+
+
+def _sigkill_if_local(s: Slot) -> None:
+    """A SIGSTOPped worker answers no RPC, so Ray's kill may take long: SIGKILL it by PID when it is
+    on this host (same hostname and Ray node IP), at once."""
+    info = s.info or {}
+    if not info.get("pid") or info.get("hostname") != socket.gethostname():
+        return
+    if info.get("node_ip") not in (None, ray.util.get_node_ip_address()):
+        return
+    with contextlib.suppress(OSError):
+        os.kill(int(info["pid"]), signal.SIGKILL)

@@ -1,0 +1,233 @@
+"""Everything a supervisor tells the world: events, job states, the store, metrics.jsonl, TensorBoard,
+telemetry, the job's output lines and the one `recovered` event of each recovery.
+
+Events go to an in-actor list (`unbroken run` polls it) and, with a store, to the job store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from service.state_machine import STORE_STATUS, JobState
+from service.supervisor.context import JobRun
+from service.supervisor.words import SOURCE_WORDS, first_line, fmt_s, plural
+from workers import telemetry
+
+log = logging.getLogger("unbroken.supervisor")
+
+_LOG_FLUSH_S = 0.5  # how often the job's output lines go to the store
+_HEARTBEAT_GAUGE_S = 1.0  # how often heartbeat ages are exported
+
+
+@dataclass
+class RecoveryTiming:
+    """A recovery in progress, until its generation completes a step (then: one `recovered` event)."""
+
+    kind: str
+    cause: str
+    t_fault: float | None
+    t_detect: float
+    t_launch: float
+    last_step: int
+    generation: int
+
+
+class Reporter:
+    def __init__(self, run: JobRun, output: Any) -> None:
+        self.run = run
+        self._output = output  # this actor's captured output (workers.log_capture)
+        self.events: list[dict[str, Any]] = []
+        self.warnings: list[str] = []
+        self._logs: list[tuple[float, str | None, str]] = []  # (time, source, line), flushed to the store
+        self._logs_flushed_at = 0.0
+        self._heartbeats_exported_at = 0.0
+        self._metrics_log: Any = None
+        self._tb: Any = None  # workers.tensorboard.TensorBoardLog when the spec asks for it
+        self.last_row_step = 0  # the last step whose metrics row is written
+        self.last_row: dict[str, Any] | None = None
+        self.recovery: RecoveryTiming | None = None
+
+    # ----------------------------------------------------------------- events and states
+    def event(self, kind: str, message: str, /, **data: Any) -> None:
+        ev = {"id": 0, "ts": time.time(), "kind": kind, "message": message, "data": data}
+        with self.run.lock:
+            ev["id"] = len(self.events) + 1
+            self.events.append(ev)
+        log.info("job %s: %s: %s", self.run.job_id, kind, message)
+        if self.run.store is not None:
+            with contextlib.suppress(Exception):
+                self.run.store.add_event(self.run.job_id, kind, message, data or None)
+
+    def to(self, state: JobState, reason: str = "") -> None:
+        run = self.run
+        prev = run.sm.state
+        run.sm.to(state, reason)
+        self.event("state", f"{prev.value} -> {state.value}" + (f": {reason}" if reason else ""),
+                   source=prev.value, target=state.value)
+        if run.store is not None and (STORE_STATUS[prev] != STORE_STATUS[state] or prev == JobState.STARTING):
+            with contextlib.suppress(Exception):
+                run.store.set_status(run.job_id, STORE_STATUS[state], reason or None)
+
+    def fail(self, reason: str, tb: str | None = None) -> None:
+        self.run.reason = reason
+        if self.run.sm.can(JobState.FAILED):
+            self.to(JobState.FAILED, reason)
+        self.event("failed", reason, **({"traceback": tb} if tb else {}))
+
+    def on_checkpoint(self, msg: dict[str, Any]) -> None:
+        """Rank 0's note about a persistent checkpoint."""
+        run = self.run
+        if not msg.get("ok") and (msg.get("abandoned") or int(msg.get("generation", -1)) < run.generation):
+            # Its group broke under it (a failure, reported as such): not a storage problem.
+            log.info("checkpoint of step %s abandoned with generation %s: %s", msg.get("step"),
+                     msg.get("generation"), msg.get("error"))
+            return
+        if msg.get("ok"):
+            self.event("checkpointed", f"Persistent checkpoint of step {msg['step']} written to {msg.get('uri')}.",
+                       step=msg["step"], uri=msg.get("uri"), tier=msg.get("tier", "persistent"))
+            if run.store is not None:
+                with contextlib.suppress(Exception):
+                    run.store.add_checkpoint(run.job_id, int(msg["step"]), str(msg.get("uri")),
+                                             str(msg.get("tier", "persistent")))
+        else:
+            self.event("checkpoint_failed", f"The persistent checkpoint of step {msg.get('step')} failed: "
+                       f"{first_line(msg.get('error'))}",
+                       step=msg.get("step"), error=msg.get("error"))
+
+    # ----------------------------------------------------------------- output files
+    def open_outputs(self) -> None:
+        """metrics.jsonl (continued after the rows already written when restarted) and TensorBoard."""
+        from workers.metrics_log import MetricsLog, read_metrics
+
+        run = self.run
+        metrics_path = run.output_dir / "metrics.jsonl"
+        if run.restarted and metrics_path.exists():  # go on after the rows already written
+            self.last_row_step = max([int(r["step"]) for r in read_metrics(metrics_path)] + [0])
+        self._metrics_log = MetricsLog(metrics_path, truncate=not run.restarted)
+        if run.spec.tensorboard:
+            from workers.tensorboard import TensorBoardLog
+
+            self._tb = TensorBoardLog(run.output_dir / "tensorboard")
+
+    def close_outputs(self) -> None:
+        with contextlib.suppress(Exception):
+            self._metrics_log.close()
+        if self._tb is not None:
+            with contextlib.suppress(Exception):
+                self._tb.close()
+
+    # ----------------------------------------------------------------- the job's output lines
+    def add_logs(self, source: str, lines: list[Any]) -> None:
+        """Worker output lines from a note (flushed to the store in batches)."""
+        if self.run.store is None:
+            return
+        with self.run.lock:
+            self._logs.extend((float(t), source, str(line)) for t, _stream, line in lines)
+
+    def maybe_flush_logs(self) -> None:
+        if time.monotonic() - self._logs_flushed_at > _LOG_FLUSH_S:
+            self._logs_flushed_at = time.monotonic()
+            self.flush_logs()
+
+    def flush_logs(self) -> None:
+        """The job's output lines (workers' and this supervisor's) to the store, in batches."""
+        if self.run.store is None:
+            return
+        own = [(t, "supervisor", line) for t, _stream, line in self._output.drain()]
+        with self.run.lock:
+            lines, self._logs = self._logs + own, []
+        if lines:
+            lines.sort(key=lambda x: x[0])
+            try:
+                self.run.store.add_logs(self.run.job_id, lines)
+            except Exception as e:  # noqa: BLE001 - output lines are not worth failing a job over
+                log.warning("could not store %d log line(s): %s", len(lines), e)
+
+    # ----------------------------------------------------------------- metrics
+    def flush_metrics(self) -> None:
+        """Rows in step order, each step once (a step re-run after a recovery is not written again)."""
+        run = self.run
+        with run.lock:
+            rows = []
+            for step in sorted(run.pending_rows):
+                if step <= self.last_row_step:
+                    continue
+                rows.append(run.pending_rows[step])
+                self.last_row_step = step
+            run.pending_rows.clear()
+        if not rows:
+            return
+        for r in rows:
+            self._metrics_log.write(r)
+            if self._tb is not None:
+                self._tb.log_line(r)
+        self.last_row = rows[-1]
+        if run.store is not None:
+            with contextlib.suppress(Exception):
+                run.store.add_metrics(run.job_id, rows)
+        rec = self.recovery
+        if rec is not None and rows[-1].get("generation") == run.generation:
+            self.finish_recovery(rec, rows[-1])
+
+    def export_heartbeat_ages(self, slots: list[Any], hbs: dict[str, tuple[float, dict[str, Any]]],
+                              now: float) -> None:  # fmt: skip
+        if now - self._heartbeats_exported_at < _HEARTBEAT_GAUGE_S:
+            return
+        self._heartbeats_exported_at = now
+        for s in slots:
+            seen = hbs.get(s.name, (None, None))[0]
+            if seen is not None and s.rank >= 0:
+                telemetry.record_heartbeat_age(self.run.job_id, s.rank, max(0.0, now - seen))
+
+    # ----------------------------------------------------------------- recovery timing
+    def begin_recovery(self, rec: RecoveryTiming) -> None:
+        self.recovery = rec
+
+    def close_recovery(self) -> None:
+        """An earlier recovery still replaying ends here, with what it reached."""
+        if self.recovery is not None:
+            self.finish_recovery(self.recovery, None)
+
+    def finish_recovery(self, rec: RecoveryTiming, row: dict[str, Any] | None) -> None:
+        """The one `recovered` event of a recovery, once its generation completed a step (`row`): the
+        cause first, then the phases in order. With row=None the recovery was cut short (a new failure
+        before its first step) and says so instead."""
+        now = time.time()
+        self.recovery = None
+        if row is None:
+            self.event("recovery_interrupted", f"The recovery into generation {rec.generation} was "
+                       "interrupted by a new failure before its first step.", generation=rec.generation)
+            return
+        with self.run.lock:
+            formed = dict(self.run.formed)
+        t_formed = max((float(m["time"]) for m in formed.values()), default=now)
+        restore_s = max((float(m.get("timings", {}).get("restore_s", 0.0)) for m in formed.values()), default=0.0)
+        restored = min((int(m.get("restored", {}).get("step", 0)) for m in formed.values()), default=0)
+        sources = sorted({str(m.get("restored", {}).get("source")) for m in formed.values()})
+        fallback = sorted({str(m["restored"]["fallback_reason"]) for m in formed.values()
+                           if m.get("restored", {}).get("fallback_reason")})
+        detect_s = rec.t_detect - rec.t_fault if rec.t_fault else None
+        reform_s = max(0.0, t_formed - rec.t_detect - restore_s)
+        replay_s = max(0.0, now - t_formed)
+        total = now - (rec.t_fault or rec.t_detect)
+        lost = max(0, rec.last_step - restored)
+        if self._tb is not None:
+            with contextlib.suppress(Exception):
+                self._tb.log_recovery(int(row["step"]), int(rec.generation), str(rec.kind),
+                                      f"restored step {restored} from {'/'.join(sources)}")
+        where = " and ".join(SOURCE_WORDS.get(x, x) for x in sources)
+        self.event(
+            "recovered",
+            f"Recovered from {rec.cause} in {total:.2f}s: detect {fmt_s(detect_s)}, re-form {reform_s:.2f}s, "
+            f"restore {restore_s:.2f}s (step {restored} {where}), replay {replay_s:.2f}s; "
+            f"{plural(lost, 'step')} lost; generation {rec.generation} completed step {row['step']}."
+            + (f" The in-memory snapshot could not be used: {fallback[0]}." if fallback else ""),
+            generation=rec.generation, kind=rec.kind, restored_step=restored, source=sources,
+            last_step=rec.last_step, lost_steps=lost,
+            detect_s=detect_s, reform_s=reform_s, restore_s=restore_s, replay_s=replay_s, total_s=total,
+            first_step=row["step"], fallback_reason=fallback[0] if fallback else None,
+        )

@@ -133,10 +133,14 @@ def _encoded(key: str) -> TokenCorpus:
                        tok.vocab_size, tok.fingerprint, cfg.format)
 
 
-def _stamp(path: str) -> list[Any]:
+@functools.lru_cache(maxsize=8)
+def _stamp(path: str) -> str:
+    """The files' names, sizes and times, once per process: a re-formed group builds a new Trainer, and
+    walking a large folder again (about 1 s for a full Python stdlib, several with 4 ranks on 2 cores)
+    would lengthen every recovery. A job's data must not change under it anyway."""
     p = Path(path).expanduser()
     files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else []
-    return [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files[:10000]]
+    return json.dumps([[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files[:10000]])
 
 
 def open_corpus(cfg: DataConfig, what: str = "data.path") -> TokenCorpus:

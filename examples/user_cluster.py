@@ -30,7 +30,7 @@ RAY = str(Path(sys.executable).with_name("ray"))
 
 
 def session_pids(sid: int) -> set[int]:
-    """The processes of session `sid` (from /proc)."""
+    """The live processes of session `sid` (from /proc; a zombie has exited and only awaits its parent)."""
     out = set()
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
@@ -38,7 +38,7 @@ def session_pids(sid: int) -> set[int]:
                 fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            if int(fields[3]) == sid:
+            if int(fields[3]) == sid and fields[0] != "Z":
                 out.add(int(d.name))
     return out
 
@@ -50,8 +50,9 @@ def cmdline(pid: int) -> str:
         return ""
 
 
-def stop_sessions(sids: list[int], marker: str) -> None:
-    """SIGTERM then SIGKILL every process of these sessions or naming `marker` (our temp dir)."""
+def stop_sessions(sids: list[int], marker: str, grace_s: float = 5.0) -> None:
+    """SIGTERM, then after `grace_s` SIGKILL, every process of these sessions or naming `marker` (our temp
+    dir). Ray's raylet drains for up to 30 s on SIGTERM; nothing of a test or demo cluster needs that."""
 
     def ours() -> set[int]:
         found: set[int] = set()
@@ -64,7 +65,7 @@ def stop_sessions(sids: list[int], marker: str) -> None:
         for p in ours() - mine:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p, sig)
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + (grace_s if sig == signal.SIGTERM else 15)
         while time.monotonic() < deadline and ours() - mine:
             time.sleep(0.3)
 
@@ -149,6 +150,9 @@ class RayStartCluster:
 
     def stop(self) -> None:
         stop_sessions(self.sids, self.temp)
+        for p in self.procs:  # reap our own children
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=5)
 
 
 class Serve:
@@ -191,3 +195,5 @@ class Serve:
 
     def stop(self) -> None:
         stop_sessions([self.proc.pid], f"--port {self.port}")
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5)

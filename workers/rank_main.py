@@ -16,6 +16,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from workers.protocol import RunStatus
+from workers.train_loop import LoopHooks
+
 REPORT_FD_ENV = "UNBROKEN_REPORT_FD"
 FAIL_AT_ENV = "UNBROKEN_FAIL_AT"  # fault injection: "RANK:STEP" raises in that rank before that step
 DEVICE_ENV = "UNBROKEN_DEVICE"
@@ -60,6 +63,23 @@ def _fail_at() -> tuple[int, int] | None:
     return int(rank), int(step)
 
 
+class _LauncherHooks(LoopHooks):
+    """A launched rank's part of the train loop: fault injection before a step, a report line after."""
+
+    def __init__(self, reporter: Reporter, rank: int, fail_at: tuple[int, int] | None) -> None:
+        self.reporter, self.rank, self.fail_at = reporter, rank, fail_at
+
+    def before_step(self, done: int) -> None:
+        if self.fail_at == (self.rank, done + 1):
+            raise RuntimeError(f"injected fault ({FAIL_AT_ENV}) in rank {self.rank} before step {done + 1}")
+
+    def after_step(self, metrics: Any, gap_s: float) -> RunStatus | None:
+        from workers.metrics_log import metrics_line
+
+        self.reporter.send("step", **metrics_line(metrics))
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--config", required=True, help="the resolved EngineConfig as JSON")
@@ -71,8 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     from parallel import dist as pdist
     from parallel.config import EngineConfig
     from parallel.trainer import Trainer
-    from workers.final_state import FINAL_DIR, save_final_state
-    from workers.metrics_log import metrics_line
+    from workers.train_loop import train
 
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     cfg = EngineConfig.model_validate_json(Path(args.config).read_text(encoding="utf-8"))
@@ -83,7 +102,6 @@ def main(argv: list[str] | None = None) -> int:
     fd = os.environ.get(REPORT_FD_ENV)
     reporter = Reporter(int(fd) if fd and rank == 0 else None)
     t0 = time.perf_counter()
-    fail_at = _fail_at()
     try:
         if world > 1:
             timeout = float(os.environ.get(TIMEOUT_ENV, "120"))
@@ -97,14 +115,9 @@ def main(argv: list[str] | None = None) -> int:
         setup_s = time.time() - launched if launched else time.perf_counter() - t0
         reporter.send("start", dp=trainer.dims.dp, world_size=world, setup_s=setup_s,
                       step=trainer.step, total_steps=cfg.training.steps)
-        while trainer.step < cfg.training.steps:
-            if fail_at == (rank, trainer.step + 1):
-                raise RuntimeError(f"injected fault ({FAIL_AT_ENV}) in rank {rank} before step {trainer.step + 1}")
-            reporter.send("step", **metrics_line(trainer.train_step()))
-        state = trainer.full_state_dict()  # a collective: every rank takes part
-        if rank == 0:
-            final = save_final_state(state, cfg, Path(args.output) / FINAL_DIR)
-            reporter.send("final", path=str(final))
+        end = train(trainer, cfg, rank, args.output, _LauncherHooks(reporter, rank, _fail_at()))
+        if end.final is not None:
+            reporter.send("final", path=end.final)
     except BaseException as e:
         _record_error(args.output, rank, e)
         raise

@@ -36,6 +36,18 @@ import ray
 
 from checkpointing.keeper import current_node_is_head, current_node_name
 from workers import telemetry
+from workers.protocol import (
+    CheckpointReport,
+    FaultNote,
+    Formed,
+    Heartbeat,
+    Note,
+    RunResult,
+    RunStatus,
+    SnapshotAck,
+    StepReport,
+)
+from workers.train_loop import LoopHooks, train
 
 log = logging.getLogger("unbroken.worker")
 
@@ -90,7 +102,7 @@ class Worker:
         self.rank = -1
         self.phase = "idle"
         self.step = 0
-        self._last: dict[str, Any] = {}
+        self._last: StepReport | None = None
         self.max_step_time_s: float | None = None
         from workers.chaos import Chaos
 
@@ -135,30 +147,24 @@ class Worker:
 
         leave_group()
 
-    # --- heartbeats ---------------------------------------------------------------------------
-    def _beat(self, extra: dict[str, Any] | None = None) -> None:
-        msg = {
-            "type": "heartbeat", "worker": self.name, "generation": self.generation, "rank": self.rank,
-            "phase": self.phase, "step": self.step, "time": time.time(), "pid": self.pid, **self._last,
-        }
-        if extra:
-            msg.update(extra)
-        lines = self._output.drain()
-        if lines:
-            msg["logs"] = lines
-        with contextlib.suppress(Exception):  # fire and forget: a missing supervisor must not stop training
-            self.supervisor.report.remote(msg)
+    # --- notes to the supervisor (workers.protocol) ------------------------------------------
+    def send(self, note: Note) -> None:
+        """Fire and forget: a missing supervisor must not stop training. Carries the output lines
+        printed since the last note."""
+        note.logs = self._output.drain()
+        with contextlib.suppress(Exception):
+            self.supervisor.report.remote(note)
+
+    def _beat(self, metrics: dict[str, Any] | None = None) -> None:
+        self.send(Heartbeat(self.name, self.generation, self.rank, time.time(), phase=self.phase, step=self.step,
+                            pid=self.pid, last=self._last, metrics=metrics))
 
     def _heartbeat_loop(self) -> None:
         while not self._hb_stop.wait(self.opts.heartbeat_interval_s):
             self._beat()
 
     def _fired(self, fault: Any) -> None:
-        with contextlib.suppress(Exception):
-            self.supervisor.report.remote({
-                "type": "fault", "worker": self.name, "generation": self.generation, "rank": self.rank,
-                "kind": fault.kind, "step": self.step, "time": time.time(), "logs": self._output.drain(),
-            })
+        self.send(FaultNote(self.name, self.generation, self.rank, time.time(), kind=fault.kind, step=self.step))
         time.sleep(0.05)  # let the note leave before the process may vanish
 
     # --- the run --------------------------------------------------------------------------------
@@ -174,7 +180,7 @@ class Worker:
         restore: dict[str, Any] | None,
         timeout_s: float,
         keepers: dict[str, Any] | None = None,
-    ) -> dict[str, Any]:
+    ) -> RunResult:
         """Join generation `generation` as `rank`, restore, train to the end (or a pause, or an error)."""
         import torch
 
@@ -182,7 +188,7 @@ class Worker:
 
         sockets_before = socket_fds()  # what is not in here when we fail belongs to the group
         self.generation, self.rank = generation, rank
-        self._last = {}
+        self._last = None
         self.phase = "forming"
         timings: dict[str, float] = {}
         trainer = None
@@ -212,29 +218,26 @@ class Worker:
                      world_size, dp, self.node_name, time.perf_counter() - t_formed,
                      f"restored step {restored['step']} from {restored['source']}" if restore is not None
                      else "starting from scratch")
-            with contextlib.suppress(Exception):
-                self.supervisor.report.remote({
-                    "type": "formed", "worker": self.name, "generation": generation, "rank": rank,
-                    "step": trainer.step, "restored": restored, "timings": timings, "time": time.time(),
-                })
-            result = self._train(trainer, tiers, generation, rank, world_size)
+            self.send(Formed(self.name, generation, rank, time.time(), step=trainer.step, restored=restored,
+                             timings=timings))
+            end = train(trainer, self.cfg, rank, self.opts.output_dir, _WorkerHooks(self, trainer, tiers, generation))
+            result = RunResult(end.status, self.name, generation, rank, end.step, final=end.final)
         except BaseException as e:  # noqa: BLE001 - reported to the supervisor, the process lives on
             if isinstance(e, KeyboardInterrupt | SystemExit):
                 raise
             log.warning("generation %d, rank %d: %s: %s", generation, rank, type(e).__name__, str(e)[:500])
-            result = {
-                "status": "error", "worker": self.name, "generation": generation, "rank": rank,
-                "step": trainer.step if trainer is not None else self.step, "error": f"{type(e).__name__}: {e}"[:4000],
-                "collective": _is_collective_error(e), "traceback": traceback.format_exc()[-4000:],
-                "time": time.time(),
-            }
+            result = RunResult(
+                RunStatus.ERROR, self.name, generation, rank, trainer.step if trainer is not None else self.step,
+                error=f"{type(e).__name__}: {e}"[:4000], collective=_is_collective_error(e),
+                traceback=traceback.format_exc()[-4000:], time=time.time(),
+            )
         finally:
             with self._lock:
                 self._master_store = None
         # Out of the except block (its traceback holds the frames that hold the trainer): drop every
         # reference to the group's objects, so destroying it really closes its sockets and peers
         # blocked on this rank see the error now, not at their timeout.
-        ok = result["status"] in ("finished", "paused")
+        ok = result.ok
         if not ok:
             sever_new_connections(sockets_before)
         if tiers is not None:
@@ -242,49 +245,10 @@ class Worker:
         trainer = tiers = None
         gc.collect()
         leave_group()
-        self.phase = "finished" if result["status"] == "finished" else "idle"
+        self.phase = "finished" if result.status == RunStatus.FINISHED else "idle"
         if device_is_cuda():
             torch.cuda.empty_cache()
         return result
-
-    def _train(self, trainer: Any, tiers: _Tiers, generation: int, rank: int, world_size: int) -> dict[str, Any]:
-        from workers.metrics_log import metrics_line
-
-        steps = self.cfg.training.steps
-        while trainer.step < steps:
-            if self._abort_gen >= generation:
-                return {"status": "aborted", "worker": self.name, "generation": generation, "rank": rank,
-                        "step": trainer.step}
-            t_prev = time.time()
-            self.chaos.before_step(trainer.step, rank, generation)
-            entered = time.time()
-            m = trainer.train_step()
-            self.step = trainer.step
-            self.max_step_time_s = max(self.max_step_time_s or 0.0, m.step_time_s)
-            telemetry.record_step(self.opts.job_id, rank, m)
-            snap = tiers.after_step(trainer, generation)
-            self._last = {"gap_s": entered - t_prev, "step_time_s": m.step_time_s, "loss": m.loss}
-            extra: dict[str, Any] = {"snapshot": snap}
-            if rank == 0:
-                extra["metrics"] = metrics_line(m, generation=generation)
-                if trainer.step % self.cfg.training.log_every == 0 or trainer.step == steps:
-                    log.info("step %d/%d: loss %.4f, %.0f tokens/s, step %.3fs", trainer.step, steps, m.loss,
-                             m.tokens_per_s, m.step_time_s)
-            self._beat(extra)
-            stop = self._stop_at
-            if stop is not None and stop[0] == generation and trainer.step >= stop[1]:
-                tiers.wait()
-                return {"status": "paused", "worker": self.name, "generation": generation, "rank": rank,
-                        "step": trainer.step}
-        tiers.wait()
-        final = None
-        state = trainer.full_state_dict()  # a collective: every rank takes part
-        if rank == 0:
-            from workers.final_state import FINAL_DIR, save_final_state
-
-            final = str(save_final_state(state, self.cfg, Path(self.opts.output_dir) / FINAL_DIR))
-        return {"status": "finished", "worker": self.name, "generation": generation, "rank": rank,
-                "step": trainer.step, "final": final}
 
     def _device(self, rank: int) -> Any:
         import torch
@@ -331,6 +295,45 @@ def _side_group(timeout_s: float) -> Any:
     return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
 
+class _WorkerHooks(LoopHooks):
+    """The Ray worker's part of the train loop: abort and pause, chaos, telemetry, snapshots and
+    checkpoints, heartbeats with the step's timings (rank 0's with its metrics row)."""
+
+    def __init__(self, worker: Worker, trainer: Any, tiers: _Tiers, generation: int) -> None:
+        self.w, self.trainer, self.tiers, self.generation = worker, trainer, tiers, generation
+
+    def stop_before_step(self) -> RunStatus | None:
+        return RunStatus.ABORTED if self.w._abort_gen >= self.generation else None
+
+    def before_step(self, done: int) -> None:
+        self.w.chaos.before_step(done, self.w.rank, self.generation)
+
+    def after_step(self, m: Any, gap_s: float) -> RunStatus | None:
+        from workers.metrics_log import metrics_line
+
+        w, trainer, steps = self.w, self.trainer, self.w.cfg.training.steps
+        w.step = trainer.step
+        w.max_step_time_s = max(w.max_step_time_s or 0.0, m.step_time_s)
+        telemetry.record_step(w.opts.job_id, w.rank, m)
+        self.tiers.after_step(trainer, self.generation)
+        w._last = StepReport(trainer.step, gap_s, m.step_time_s, m.loss)
+        metrics = None
+        if w.rank == 0:
+            metrics = metrics_line(m, generation=self.generation)
+            if trainer.step % w.cfg.training.log_every == 0 or trainer.step == steps:
+                log.info("step %d/%d: loss %.4f, %.0f tokens/s, step %.3fs", trainer.step, steps, m.loss,
+                         m.tokens_per_s, m.step_time_s)
+        w._beat(metrics)
+        stop = w._stop_at
+        if stop is not None and stop[0] == self.generation and trainer.step >= stop[1]:
+            self.tiers.wait()
+            return RunStatus.PAUSED
+        return None
+
+    def before_final(self) -> None:
+        self.tiers.wait()
+
+
 class _Tiers:
     """The in-memory snapshot tier (keepers) and the persistent tier of one rank in one generation."""
 
@@ -357,29 +360,22 @@ class _Tiers:
             self.snap = SnapshotClient(worker.opts.job_id, rank, world_size, worker.node_name, self.keepers,
                                        optimizer=None, timeout_s=max(30.0, timeout_s))
 
-    def after_step(self, trainer: Any, generation: int) -> dict[str, Any] | None:
+    def after_step(self, trainer: Any, generation: int) -> None:
         """Snapshot to the keepers in the background (acked to the supervisor, which commits) and persist."""
         step = trainer.step
-        out: dict[str, Any] | None = None
         if self.snap is not None and step % self.snap_every == 0:
             handle = self.snap.snapshot(trainer.state_dict(), step, generation)
             handle.add_done_callback(self._snapshotted)
-            out = {"step": step, "blocking_s": handle.blocking_s}
         if self.persist_every and step % self.persist_every == 0:
             layout = {"dp": trainer.dims.dp, "world_size": self.world}
             handle = self.persistent.save_async(trainer.state_dict(), step, generation, layout)
             handle.add_done_callback(self._persisted)
-        return out
 
     def _snapshotted(self, res: Any) -> None:
         if res.ok:
             telemetry.record_snapshot(self.w.opts.job_id, self.rank, res.blocking_s + res.send_s, res.nbytes)
-        with contextlib.suppress(Exception):
-            self.w.supervisor.report.remote({
-                "type": "snapshot", "worker": self.w.name, "step": res.step, "generation": res.generation,
-                "rank": res.rank, "ok": res.ok, "errors": res.errors, "acked": res.acked,
-                "world_size": self.world, "time": time.time(),
-            })
+        self.w.send(SnapshotAck(self.w.name, res.generation, res.rank, time.time(), step=res.step, ok=res.ok,
+                                world_size=self.world, errors=dict(res.errors), acked=list(res.acked)))
 
     def _persisted(self, res: Any) -> None:
         """Every rank exports its shard's write; rank 0 tells the supervisor (one event per checkpoint)."""
@@ -391,12 +387,8 @@ class _Tiers:
         # A save whose group broke under it (a peer failed) is abandoned with its generation, not a
         # storage failure: the next generation writes that step again.
         broken = not res.ok and _is_collective_error(RuntimeError(str(res.error)))
-        with contextlib.suppress(Exception):
-            self.w.supervisor.report.remote({
-                "type": "checkpoint", "worker": self.w.name, "step": res.step, "generation": res.generation,
-                "ok": res.ok, "uri": res.uri, "error": res.error, "tier": "persistent", "time": time.time(),
-                "abandoned": broken,
-            })
+        self.w.send(CheckpointReport(self.w.name, res.generation, self.rank, time.time(), step=res.step, ok=res.ok,
+                                     uri=res.uri, error=res.error, abandoned=broken))
 
     def restore(self, trainer: Any, target: dict[str, Any]) -> dict[str, Any]:
         """Load the committed snapshot the supervisor chose (resharded), else the newest persistent one.
@@ -456,9 +448,7 @@ class _Tiers:
             self.persistent.abandon()
         if self.snap is not None:
             with contextlib.suppress(Exception):
-                if self.snap._hook is not None:
-                    self.snap._hook.remove()
-                self.snap._sender.shutdown(wait=False)
+                self.snap.abandon()
         self.snap = self.persistent = None
 
     def close(self) -> None:

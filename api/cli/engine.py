@@ -20,22 +20,24 @@ def _fail(message: str, code: int) -> None:
 
 
 def train(
-    job_file: Path = typer.Argument(..., help="job YAML/JSON: sections model, data, training, parallelism"),
+    job_file: Path = typer.Argument(..., help="job YAML/JSON, the same file `unbroken run`/`submit` take; train "
+                                    "uses its sections model, data, training, parallelism"),
     nproc: int = typer.Option(1, "--nproc", "-n", help="processes (ranks) on this machine"),
     output: Path | None = typer.Option(None, "--output", "-o", help="run folder; default: training.output_dir, else a fresh runs/train-<time>"),
     device: str = typer.Option("auto", help="cpu, cuda, or auto (cuda when present)"),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="show a progress bar"),
 ) -> None:
     """Train on this machine in NPROC processes (our own launcher; no Ray, no torchrun)."""
-    from parallel.config import EngineConfig
-    from service.spec import SpecError, load_spec_file
     from workers.launcher import LaunchConfigError, LocalLauncher, RankFailure
 
     try:
-        cfg = load_spec_file(job_file, cls=EngineConfig)
+        cfg, unused = _engine_of_job_file(job_file)
         launcher = LocalLauncher(cfg, nproc, output, device=device, show_progress=progress)
-    except (SpecError, LaunchConfigError) as e:
+    except (ValueError, LaunchConfigError) as e:  # service.spec.SpecError is a ValueError
         _fail(f"{job_file} was refused, nothing started:\n{e}", EXIT_INVALID)
+    if unused:
+        typer.secho(f"note: `unbroken train` does not use the section(s) {', '.join(unused)} of {job_file.name} "
+                    "(they are for `unbroken run` and `unbroken submit`)", fg=typer.colors.YELLOW, err=True)
     try:
         result = launcher.run()
     except RankFailure as e:
@@ -50,6 +52,21 @@ def train(
     typer.echo(f"metrics: {result.metrics_path}")
     if result.final_dir is not None:
         typer.echo(f"final state: {result.final_dir}  (export with: unbroken export-hf {result.output_dir} OUT_DIR)")
+
+
+def _engine_of_job_file(job_file: Path) -> tuple[object, list[str]]:
+    """The engine config of a job file, validated as the whole job first (so train, run and submit
+    accept and refuse the same files), and the job's sections train does not use."""
+    import yaml
+
+    from parallel.config import EngineConfig
+    from service.spec import load_spec_file, parse_spec
+
+    load_spec_file(job_file)  # the job as run/submit read it: every section checked
+    sections = yaml.safe_load(job_file.read_text(encoding="utf-8")) or {}  # a mapping: checked just now
+    engine = set(EngineConfig.model_fields)
+    cfg = parse_spec({k: v for k, v in sections.items() if k in engine}, cls=EngineConfig)
+    return cfg, sorted(k for k in sections if k not in engine)
 
 
 def export_hf_cmd(

@@ -28,6 +28,7 @@ from service.supervisor.detection import FailureDetector
 from service.supervisor.generations import Generations
 from service.supervisor.pool import ReplicaPool, ReplicaState
 from service.supervisor.reporter import Reporter
+from workers.protocol import CheckpointReport, FaultNote, Formed, Heartbeat, Note, SnapshotAck
 
 _LINGER_S = 600.0  # without a store, stay readable this long after the end (or until shutdown())
 
@@ -81,41 +82,34 @@ class Supervisor:
         self._thread.start()
 
     # ================================================================= the actor's public calls
-    def report(self, msg: dict[str, Any]) -> None:
-        """Heartbeats and notes from workers (fire and forget)."""
+    def report(self, note: Note) -> None:
+        """Heartbeats and notes from workers (workers.protocol; fire and forget). Any note shows its
+        worker alive."""
         now = time.time()
-        kind = msg.get("type")
         run = self.run
         with run.lock:
-            name = str(msg.get("worker"))
-            lines = msg.pop("logs", None)
-            if lines:
-                src = f"rank {msg['rank']}" if int(msg.get("rank", -1)) >= 0 else name.rsplit("/", 1)[-1]
-                self.reporter.add_logs(src, lines)
-            run.hb[name] = (now, msg)
-            gen = int(msg.get("generation", -1))
-            if kind == "fault":
-                run.faults.append(msg)
-                return
-            if kind == "formed" and gen == run.generation:
-                run.formed[name] = msg
-                return
-            if kind == "checkpoint":
-                self.reporter.on_checkpoint(msg)
-                return
-            if kind == "snapshot":
-                self.committer.on_ack(gen, int(msg["step"]), int(msg["rank"]), int(msg["world_size"]),
-                                      bool(msg.get("ok")))
-                return
-            if kind != "heartbeat" or gen != run.generation or "gap_s" not in msg:
-                return  # fencing: notes of an old generation are ignored
-            step = int(msg.get("step", 0))
-            rep = run.step_reports.setdefault(step, {"gap": {}, "time": {}})
-            rep["gap"][name] = float(msg["gap_s"])
-            rep["time"][name] = float(msg["step_time_s"])
-            if "metrics" in msg:
-                run.pending_rows[step] = dict(msg["metrics"])
-                run.last_step_seen = max(run.last_step_seen, step)
+            if note.logs:
+                self.reporter.add_logs(note.source, note.logs)
+                note.logs = []
+            run.hb[note.worker] = (now, note)
+            match note:
+                case FaultNote():
+                    run.faults.append(note)
+                case Formed() if note.generation == run.generation:
+                    run.formed[note.worker] = note
+                case CheckpointReport():
+                    self.reporter.on_checkpoint(note)
+                case SnapshotAck():
+                    self.committer.on_ack(note.generation, note.step, note.rank, note.world_size, note.ok)
+                case Heartbeat(last=last) if last is not None and note.generation == run.generation:
+                    rep = run.step_reports.setdefault(note.step, {"gap": {}, "time": {}})
+                    rep["gap"][note.worker] = last.gap_s
+                    rep["time"][note.worker] = last.step_time_s
+                    if note.metrics is not None:
+                        run.pending_rows[note.step] = dict(note.metrics)
+                        run.last_step_seen = max(run.last_step_seen, note.step)
+                case _:
+                    pass  # fencing: notes of an old generation are ignored
 
     def cancel(self) -> None:
         self.run.cancel.set()

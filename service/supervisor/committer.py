@@ -107,6 +107,21 @@ class SnapshotCommitter:
             return {"step": None, "generation": None}
         return {"generation": self.committed[0], "step": self.committed[1]}
 
+    def fence(self, generation: int) -> None:
+        """A new generation begins: the keepers refuse shards and commits of older ones (a stale worker
+        still writing), and their acks here are dropped."""
+        with self.run.lock:
+            for k in [k for k in self._acks if k[0] < generation]:
+                self._acks.pop(k)
+        if not self.keepers:
+            return
+        from checkpointing.keeper import fence_job
+
+        try:
+            fence_job(self.keepers, self.run.job_id, generation)
+        except Exception as e:  # noqa: BLE001 - a keeper that is gone holds nothing stale
+            log.warning("fencing generation %d on the keepers failed: %s", generation, e)
+
     def drop_job(self) -> int:
         """Free the job's keeper memory; the bytes freed."""
         if not self.keepers:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from service.state_machine import StateMachine
+from workers.protocol import FaultNote, Formed, Note
 
 
 class JobFailed(RuntimeError):
@@ -46,9 +47,9 @@ class JobRun:
     recoveries: int = 0
     reason: str | None = None
     # Worker notes (written by the inbox under `lock`):
-    hb: dict[str, tuple[float, dict[str, Any]]] = field(default_factory=dict)  # name -> (seen, last note)
-    formed: dict[str, dict[str, Any]] = field(default_factory=dict)  # this generation's `formed` notes
-    faults: list[dict[str, Any]] = field(default_factory=list)  # chaos notes
+    hb: dict[str, tuple[float, Note]] = field(default_factory=dict)  # name -> (seen, its last note)
+    formed: dict[str, Formed] = field(default_factory=dict)  # this generation's `formed` notes
+    faults: list[FaultNote] = field(default_factory=list)  # chaos notes
     step_reports: dict[int, dict[str, dict[str, float]]] = field(default_factory=dict)  # step -> gaps, times
     pending_rows: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank 0's metrics rows, unwritten
     last_step_seen: int = 0
@@ -61,6 +62,6 @@ class JobRun:
         if self.cancel.is_set():
             raise CancelRequested()
 
-    def heartbeats(self) -> dict[str, tuple[float, dict[str, Any]]]:
+    def heartbeats(self) -> dict[str, tuple[float, Note]]:
         with self.lock:
             return dict(self.hb)

@@ -24,6 +24,7 @@ from service.supervisor.detection import Failure
 from service.supervisor.generations import GenerationEnd, Generations
 from service.supervisor.pool import ReplicaPool, ReplicaState
 from service.supervisor.reporter import RecoveryTiming, Reporter
+from workers.protocol import RunStatus
 
 _START_GRACE_S = 2.0
 
@@ -217,8 +218,8 @@ class Controller:
         slots = [s for r in active for s in r.slots]
         self.gens.stop(slots, failure.slots)
         for s in slots:  # a rank whose own step raised (not a broken collective) is replaced
-            res = s.result or {}
-            if s.dead is None and res.get("status") == "error" and not res.get("collective"):
+            res = s.result
+            if s.dead is None and res is not None and res.status == RunStatus.ERROR and not res.collective:
                 pool.kill(s, "its step raised")
         for rep in active:
             if any(s.dead is not None for s in rep.slots):

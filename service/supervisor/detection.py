@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
@@ -18,6 +17,7 @@ from service.supervisor.context import JobRun
 from service.supervisor.pool import Slot
 from service.supervisor.reporter import Reporter
 from service.supervisor.words import cause_phrase, first_line
+from workers.protocol import FaultNote, Note, RunResult, RunStatus
 
 
 @dataclass
@@ -34,8 +34,14 @@ class Failure:
 
 
 def root_cause(found: list[Failure]) -> Failure:
-    """Peers of the failed rank fail too (their collectives break): name the cause, not them."""
-    return min(found, key=lambda f: f.kind == FailureKind.COLLECTIVE_ERROR)
+    """Peers of the failed rank fail too (their collectives break): name the cause, not them.
+
+    A failure of a rank's own (its step raised, it died, it hung) outranks every broken collective;
+    among those, the lowest rank's, so the same failures always name the same cause."""
+    def order(f: Failure) -> tuple[bool, int]:
+        return f.kind == FailureKind.COLLECTIVE_ERROR, min((s.rank for s in f.slots), default=1 << 30)
+
+    return min(found, key=order)
 
 
 class FailureDetector:
@@ -44,6 +50,26 @@ class FailureDetector:
         self.reporter = reporter
         self.stragglers = stragglers
 
+    def settle(self, found: list[Failure], pending: list[Slot], grace_s: float) -> list[Failure]:
+        """`found` holds only broken collectives: the rank that broke them is still returning (its own
+        error is sent after it left the group, so its peers' errors can arrive first). Wait up to
+        grace_s for the other run calls of the generation, and add what they report."""
+        if not pending or any(f.kind != FailureKind.COLLECTIVE_ERROR for f in found):
+            return found
+        deadline = time.monotonic() + grace_s
+        more = list(found)
+        while pending and time.monotonic() < deadline:
+            done, _ = ray.wait([s.run_ref for s in pending], num_returns=1,
+                               timeout=max(0.0, deadline - time.monotonic()))
+            for s in [s for s in pending if s.run_ref in done]:
+                pending.remove(s)
+                f = self.collect(s)
+                if f is not None:
+                    more.append(f)
+            if any(f.kind != FailureKind.COLLECTIVE_ERROR for f in more):
+                break
+        return more
+
     def collect(self, s: Slot) -> Failure | None:
         """Read a finished run call; a failure when it did not end well."""
         try:
@@ -51,24 +77,24 @@ class FailureDetector:
         except ActorUnavailableError:
             return None  # suspect, not dead: heartbeats decide
         except (ActorDiedError, RayActorError) as e:
-            s.result = {"status": "dead", "error": str(e)}
+            s.result = RunResult(RunStatus.DEAD, s.name, self.run.generation, s.rank, 0, error=str(e))
             s.dead = "died"
             kind = FailureKind.NODE_DIED if self._node_dead(s) else FailureKind.WORKER_DIED
             return Failure(kind, [s], self._death_text(s, kind, e), time.time(), t_fault=self._fault_time(s))
         res = s.result
-        if res["status"] in ("finished", "paused"):
+        if res.ok:
             return None
-        if res["status"] == "error":
+        if res.status == RunStatus.ERROR:
             formed = s.name in self.run.formed
-            kind = (FailureKind.COLLECTIVE_ERROR if res.get("collective")
+            kind = (FailureKind.COLLECTIVE_ERROR if res.collective
                     else FailureKind.STEP_ERROR if formed else FailureKind.BUILD_ERROR)
             return Failure(kind, [s] if kind != FailureKind.COLLECTIVE_ERROR else [],
-                           f"{s.name} (rank {s.rank}): {first_line(res.get('error', ''))}",
-                           time.time(), t_fault=res.get("time"), step=res.get("step"))
-        return Failure(FailureKind.COLLECTIVE_ERROR, [], f"{s.name} (rank {s.rank}) stopped: {res['status']}",
+                           f"{s.name} (rank {s.rank}): {first_line(res.error or '')}",
+                           time.time(), t_fault=res.time, step=res.step)
+        return Failure(FailureKind.COLLECTIVE_ERROR, [], f"{s.name} (rank {s.rank}) stopped: {res.status}",
                        time.time())
 
-    def hung(self, slots: list[Slot], hbs: dict[str, tuple[float, dict[str, Any]]], now: float) -> Failure | None:
+    def hung(self, slots: list[Slot], hbs: dict[str, tuple[float, Note]], now: float) -> Failure | None:
         """The first running worker silent for over heartbeat_timeout_s."""
         hb_timeout = self.run.ft.heartbeat_timeout_s
         for s in slots:
@@ -77,7 +103,7 @@ class FailureDetector:
             seen = hbs.get(s.name, (None, None))[0]
             if seen is not None and now - seen > hb_timeout:
                 fault = self.fault_of(s)
-                cause = f" (hung by chaos: {fault['kind']})" if fault else ""
+                cause = f" (hung by chaos: {fault.kind})" if fault else ""
                 return Failure(FailureKind.HANG, [s], f"Rank {s.rank} ({s.short}) sent no heartbeat "
                                f"for {now - seen:.1f}s{cause}; heartbeat_timeout_s={hb_timeout:g}.", now,
                                t_fault=seen)
@@ -111,13 +137,13 @@ class FailureDetector:
 
     def _fault_time(self, s: Slot) -> float | None:
         f = self.fault_of(s)
-        return float(f["time"]) if f else None
+        return f.time if f else None
 
-    def fault_of(self, s: Slot) -> dict[str, Any] | None:
+    def fault_of(self, s: Slot) -> FaultNote | None:
         """The chaos fault that fired in this worker's current generation, if any."""
         with self.run.lock:
             for f in reversed(self.run.faults):
-                if f.get("worker") == s.name and f.get("generation") == self.run.generation:
+                if f.worker == s.name and f.generation == self.run.generation:
                     return f
         return None
 
@@ -126,7 +152,7 @@ class FailureDetector:
         who = f"Rank {s.rank} ({s.short} on node {(s.info or {}).get('node_name', '?')})"
         fault = self.fault_of(s)
         if fault is not None:
-            return f"{who} was stopped by chaos ({fault['kind']} before step {int(fault['step']) + 1})."
+            return f"{who} was stopped by chaos ({fault.kind} before step {fault.step + 1})."
         if kind == FailureKind.NODE_DIED:
             return f"{who} was lost with its node."
         return f"{who} died: {first_line(e)}"

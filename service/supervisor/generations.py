@@ -21,8 +21,11 @@ from service.supervisor.pool import Replica, ReplicaPool, ReplicaState, Slot
 from service.supervisor.reporter import Reporter
 from service.supervisor.words import first_line, plural, restore_phrase
 from workers import telemetry
+from workers.protocol import Heartbeat, RunResult, RunStatus
 
 _POLL_S = 0.05
+# How long a broken collective waits for the failure of a rank's own that broke it (see settle).
+_ROOT_CAUSE_GRACE_S = 3.0
 
 
 class GenerationEnd(Enum):
@@ -54,7 +57,7 @@ class Generations:
     def timeout_s(self) -> float:
         from workers.group import collective_timeout_s
 
-        step_times = [float(m.get("step_time_s", 0)) for _, m in self.run.hb.values() if "step_time_s" in m]
+        step_times = [m.last.step_time_s for _, m in self.run.hb.values() if isinstance(m, Heartbeat) and m.last]
         return collective_timeout_s(self.run.ft.collective_timeout_s, max(step_times) if step_times else None)
 
     def probe(self, slot: Slot) -> None:
@@ -93,6 +96,8 @@ class Generations:
         target = self.committer.restore_target() if restore else None
         if generation == 0 and restore and target == {"step": None, "generation": None}:
             target = {"step": None, "generation": None, "resume": True}  # a persistent checkpoint, if any
+        if generation > 0:
+            self.committer.fence(generation)  # after choosing the target: it may be of an older generation
         timeout = self.timeout_s()
         rank0 = next(s for s in slots if s.rank == 0)
         assert rank0.info is not None
@@ -125,12 +130,13 @@ class Generations:
                 done_set = set(done)
                 found = [f for s in pending if s.run_ref in done_set and (f := self.detector.collect(s)) is not None]
                 if found:
-                    return root_cause(found)
+                    rest = [s for s in pending if s.run_ref not in done_set]
+                    return root_cause(self.detector.settle(found, rest, _ROOT_CAUSE_GRACE_S))
             if all(s.result is not None for s in slots):
-                statuses = {s.result["status"] for s in slots if s.result}
-                if statuses == {"finished"}:
+                statuses = {str(s.result.status) for s in slots if s.result}
+                if statuses == {RunStatus.FINISHED}:
                     return GenerationEnd.FINISHED
-                if statuses == {"paused"}:
+                if statuses == {RunStatus.PAUSED}:
                     return GenerationEnd.PAUSED
                 return Failure(FailureKind.COLLECTIVE_ERROR, [], f"generation ended with {statuses}", time.time())
             now = time.time()
@@ -156,8 +162,8 @@ class Generations:
             return
         every = run.spec.checkpoint.in_memory_every or run.spec.checkpoint.persist_every or 1
         with run.lock:
-            seen = max([int(m.get("step", 0)) for _, m in run.hb.values()
-                        if m.get("generation") == run.generation] + [0])
+            seen = max([int(getattr(m, "step", 0)) for _, m in run.hb.values()
+                        if m.generation == run.generation] + [0])
         target = ((seen + 2 + every - 1) // every) * every
         if target >= run.spec.training.steps:
             return
@@ -189,7 +195,8 @@ class Generations:
                     except ActorUnavailableError:
                         s.suspect_since = s.suspect_since or time.monotonic()
                     except (ActorDiedError, RayActorError) as e:
-                        s.result = {"status": "dead", "error": str(e)}
+                        s.result = RunResult(RunStatus.DEAD, s.name, self.run.generation, s.rank, 0,
+                                             error=str(e))
                         s.dead = "died"
         for s in slots:
             if s.result is None and s.dead is None:

@@ -25,6 +25,7 @@ from service.placement import ReplicaReservation, release, release_job_groups, r
 from service.supervisor.context import JobRun
 from service.supervisor.reporter import Reporter
 from service.supervisor.words import first_line, plural
+from workers.protocol import RunResult
 
 
 class ReplicaState(StrEnum):
@@ -51,7 +52,7 @@ class Slot:
     info: dict[str, Any] | None = None
     rank: int = -1
     run_ref: Any = None
-    result: dict[str, Any] | None = None
+    result: RunResult | None = None  # what its run call of the current generation returned
     dead: str | None = None  # why, once it is known dead
     suspect_since: float | None = None
 

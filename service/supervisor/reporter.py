@@ -16,6 +16,7 @@ from service.state_machine import STORE_STATUS, JobState
 from service.supervisor.context import JobRun
 from service.supervisor.words import SOURCE_WORDS, first_line, fmt_s, plural
 from workers import telemetry
+from workers.protocol import CheckpointReport, Note
 
 log = logging.getLogger("unbroken.supervisor")
 
@@ -78,25 +79,23 @@ class Reporter:
             self.to(JobState.FAILED, reason)
         self.event("failed", reason, **({"traceback": tb} if tb else {}))
 
-    def on_checkpoint(self, msg: dict[str, Any]) -> None:
+    def on_checkpoint(self, note: CheckpointReport) -> None:
         """Rank 0's note about a persistent checkpoint."""
         run = self.run
-        if not msg.get("ok") and (msg.get("abandoned") or int(msg.get("generation", -1)) < run.generation):
+        if not note.ok and (note.abandoned or note.generation < run.generation):
             # Its group broke under it (a failure, reported as such): not a storage problem.
-            log.info("checkpoint of step %s abandoned with generation %s: %s", msg.get("step"),
-                     msg.get("generation"), msg.get("error"))
+            log.info("checkpoint of step %s abandoned with generation %s: %s", note.step, note.generation,
+                     note.error)
             return
-        if msg.get("ok"):
-            self.event("checkpointed", f"Persistent checkpoint of step {msg['step']} written to {msg.get('uri')}.",
-                       step=msg["step"], uri=msg.get("uri"), tier=msg.get("tier", "persistent"))
+        if note.ok:
+            self.event("checkpointed", f"Persistent checkpoint of step {note.step} written to {note.uri}.",
+                       step=note.step, uri=note.uri, tier=note.tier)
             if run.store is not None:
                 with contextlib.suppress(Exception):
-                    run.store.add_checkpoint(run.job_id, int(msg["step"]), str(msg.get("uri")),
-                                             str(msg.get("tier", "persistent")))
+                    run.store.add_checkpoint(run.job_id, note.step, str(note.uri), note.tier)
         else:
-            self.event("checkpoint_failed", f"The persistent checkpoint of step {msg.get('step')} failed: "
-                       f"{first_line(msg.get('error'))}",
-                       step=msg.get("step"), error=msg.get("error"))
+            self.event("checkpoint_failed", f"The persistent checkpoint of step {note.step} failed: "
+                       f"{first_line(note.error)}", step=note.step, error=note.error)
 
     # ----------------------------------------------------------------- output files
     def open_outputs(self) -> None:
@@ -173,7 +172,7 @@ class Reporter:
         if rec is not None and rows[-1].get("generation") == run.generation:
             self.finish_recovery(rec, rows[-1])
 
-    def export_heartbeat_ages(self, slots: list[Any], hbs: dict[str, tuple[float, dict[str, Any]]],
+    def export_heartbeat_ages(self, slots: list[Any], hbs: dict[str, tuple[float, Note]],
                               now: float) -> None:  # fmt: skip
         if now - self._heartbeats_exported_at < _HEARTBEAT_GAUGE_S:
             return
@@ -204,12 +203,12 @@ class Reporter:
             return
         with self.run.lock:
             formed = dict(self.run.formed)
-        t_formed = max((float(m["time"]) for m in formed.values()), default=now)
-        restore_s = max((float(m.get("timings", {}).get("restore_s", 0.0)) for m in formed.values()), default=0.0)
-        restored = min((int(m.get("restored", {}).get("step", 0)) for m in formed.values()), default=0)
-        sources = sorted({str(m.get("restored", {}).get("source")) for m in formed.values()})
-        fallback = sorted({str(m["restored"]["fallback_reason"]) for m in formed.values()
-                           if m.get("restored", {}).get("fallback_reason")})
+        t_formed = max((m.time for m in formed.values()), default=now)
+        restore_s = max((float(m.timings.get("restore_s", 0.0)) for m in formed.values()), default=0.0)
+        restored = min((int(m.restored.get("step", 0)) for m in formed.values()), default=0)
+        sources = sorted({str(m.restored.get("source")) for m in formed.values()})
+        fallback = sorted({str(m.restored["fallback_reason"]) for m in formed.values()
+                           if m.restored.get("fallback_reason")})
         detect_s = rec.t_detect - rec.t_fault if rec.t_fault else None
         reform_s = max(0.0, t_formed - rec.t_detect - restore_s)
         replay_s = max(0.0, now - t_formed)

@@ -1,0 +1,115 @@
+"""What a worker and its supervisor say to each other: small typed messages, the same on both sides.
+
+Worker -> supervisor, fire and forget (`supervisor.report.remote(note)`):
+    Heartbeat          every step (with the step's timings; rank 0's with its metrics row) and from a
+                       side thread at least every heartbeat_interval_s
+    Formed             the rank joined its generation's group and restored
+    SnapshotAck        its in-memory snapshot of a step is (or is not) held by the keepers
+    CheckpointReport   rank 0: a persistent checkpoint was written (or failed, or was abandoned)
+    FaultNote          a chaos fault is about to act on this worker
+Worker -> supervisor, as the return value of `run`:
+    RunResult          how the rank's part of a generation ended (RunStatus)
+
+Every note carries the worker's name, generation, rank and the time it was sent, and the output
+lines the worker printed since its last note (`logs`: (time, stream, line)), so the job's logs
+travel with the heartbeats. Plain dataclasses: they pickle through Ray and import nothing heavy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+LogLine = tuple[float, str, str]  # (time, stream, line)
+
+
+class RunStatus(StrEnum):
+    FINISHED = "finished"  # trained to the last step (rank 0 wrote the final state)
+    PAUSED = "paused"      # stopped after the step the supervisor asked for (to grow)
+    ABORTED = "aborted"    # stopped by the supervisor (its generation ended)
+    ERROR = "error"        # an exception: see `error`, `collective`
+    DEAD = "dead"          # (supervisor side) the actor died
+
+
+@dataclass
+class Note:
+    worker: str
+    generation: int
+    rank: int
+    time: float
+    logs: list[LogLine] = field(default_factory=list, kw_only=True)
+
+    @property
+    def source(self) -> str:
+        """Who printed the note's output lines: `rank <r>` once ranked, else the worker's own name."""
+        return f"rank {self.rank}" if self.rank >= 0 else self.worker.rsplit("/", 1)[-1]
+
+
+@dataclass
+class StepReport:
+    """One training step of one rank."""
+
+    step: int
+    gap_s: float  # its own time before entering the step (data, delays): what a straggler shows
+    step_time_s: float
+    loss: float
+
+
+@dataclass
+class Heartbeat(Note):
+    phase: str
+    step: int
+    pid: int
+    last: StepReport | None = None  # the rank's last step in this generation
+    metrics: dict[str, Any] | None = None  # rank 0, right after a step: its metrics row
+
+
+@dataclass
+class Formed(Note):
+    step: int
+    restored: dict[str, Any]  # step, source, fallback_reason, ...
+    timings: dict[str, float]  # join_s, build_s, restore_s
+
+
+@dataclass
+class SnapshotAck(Note):
+    step: int
+    ok: bool
+    world_size: int
+    errors: dict[str, str] = field(default_factory=dict)  # node -> why its copy failed
+    acked: list[str] = field(default_factory=list)  # nodes whose keeper holds the shard
+
+
+@dataclass
+class CheckpointReport(Note):
+    step: int
+    ok: bool
+    uri: str | None
+    error: str | None
+    abandoned: bool  # its group broke under it: a failure, reported as such, not a storage problem
+    tier: str = "persistent"
+
+
+@dataclass
+class FaultNote(Note):
+    kind: str  # the chaos fault's kind
+    step: int
+
+
+@dataclass
+class RunResult:
+    status: RunStatus
+    worker: str
+    generation: int
+    rank: int
+    step: int
+    error: str | None = None
+    collective: bool = False  # the error is a broken collective (a peer's failure), not this rank's own
+    traceback: str | None = None
+    time: float | None = None
+    final: str | None = None  # where rank 0 wrote the final state
+
+    @property
+    def ok(self) -> bool:
+        return self.status in (RunStatus.FINISHED, RunStatus.PAUSED)

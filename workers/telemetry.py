@@ -105,6 +105,7 @@ def exported_names() -> set[str]:
 
 _lock = threading.Lock()
 _metrics: dict[str, Any] | None = None
+_last_eval: dict[tuple[str, int], float] = {}  # (job, rank) -> the newest held-out loss
 
 
 def _ray_ready() -> bool:
@@ -177,8 +178,13 @@ def record_step(job_id: str, rank: int, m: StepLike) -> None:
     if m.mfu is not None:
         ms["unbroken_mfu"].set(float(m.mfu), tags=tags)
     ms["unbroken_loss"].set(float(m.loss), tags=tags)
+    # Evaluations are every eval_every steps, but Ray drops a gauge not set again within ~20 s: the last
+    # held-out loss is set again at every step.
+    key = (str(job_id), int(rank))
     if getattr(m, "eval_loss", None) is not None:
-        ms["unbroken_eval_loss"].set(float(m.eval_loss), tags=tags)
+        _last_eval[key] = float(m.eval_loss)
+    if key in _last_eval:
+        ms["unbroken_eval_loss"].set(_last_eval[key], tags=tags)
     ms["unbroken_step"].set(float(m.step), tags=tags)
 
 

@@ -177,6 +177,9 @@ class Reporter:
         if now - self._heartbeats_exported_at < _HEARTBEAT_GAUGE_S:
             return
         self._heartbeats_exported_at = now
+        # Ray drops a gauge that is not set again within ~20 s from its export: the group's shape is
+        # re-set with the heartbeat ages (still by its one owner, the supervisor).
+        telemetry.record_group(self.run.job_id, self.run.dp, self.run.generation)
         for s in slots:
             seen = hbs.get(s.name, (None, None))[0]
             if seen is not None and s.rank >= 0:

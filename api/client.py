@@ -27,6 +27,7 @@ import httpx
 
 from api import errors, schemas
 from api.schemas import Checkpoint, Job, JobEvent, JobList, LogLine, LogList
+from service.statuses import CANCELLED, FAILED
 
 DEFAULT_URL = "http://127.0.0.1:8420"
 M = TypeVar("M", JobEvent, LogLine)
@@ -73,18 +74,7 @@ class JobProgress:
         if self.recoveries:
             parts.append(f"{self.recoveries} {'recovery' if self.recoveries == 1 else 'recoveries'}")
         line = ", ".join(parts)
-        return f"{line}: {self.reason}" if self.reason and self.status in ("FAILED", "CANCELLED") else line
-
-
-def _reveal(x: Any) -> Any:
-    """A spec's python dump with SecretStr values revealed, so they reach the server."""
-    if hasattr(x, "get_secret_value"):
-        return x.get_secret_value()
-    if isinstance(x, dict):
-        return {k: _reveal(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_reveal(v) for v in x]
-    return x
+        return f"{line}: {self.reason}" if self.reason and self.status in (FAILED, CANCELLED) else line
 
 
 def _spec_body(spec: Any, headers: dict[str, str], verb: str) -> dict[str, Any]:
@@ -97,7 +87,9 @@ def _spec_body(spec: Any, headers: dict[str, str], verb: str) -> dict[str, Any]:
     if isinstance(spec, dict):
         return {"json": spec, "headers": headers}
     if hasattr(spec, "model_dump"):
-        data = _reveal(spec.model_dump(mode="python"))
+        from service.spec import reveal_secrets  # a JobSpec object: the spec module is loaded already
+
+        data = reveal_secrets(spec.model_dump(mode="python"))
         p = getattr(spec, "parallelism", None)
         if getattr(p, "auto", False):
             # With auto, the sizes the user set are the ones the planner keeps: send only those.
@@ -258,9 +250,9 @@ class Client:
                     progress_callback(now)
                     last = now
             if job.terminal:
-                if raise_on_failure and job.status == "FAILED":
+                if raise_on_failure and job.status == FAILED:
                     raise errors.JobFailed(job)
-                if raise_on_failure and job.status == "CANCELLED":
+                if raise_on_failure and job.status == CANCELLED:
                     raise errors.JobCancelled(job)
                 return job
             if deadline is not None and time.monotonic() >= deadline:

@@ -132,9 +132,21 @@ class RayStartCluster:
         self.procs.append(p)
         self.sids.append(p.pid)
 
-    def add_node(self, name: str, num_cpus: int, params: dict[str, str] | None = None) -> None:
-        self._start(name, [f"--address={self.address}", f"--num-cpus={num_cpus}",
-                           f"--object-store-memory={200 * 1024 * 1024}", *_flags(params or {})])
+    def add_node(self, name: str, num_cpus: int, params: dict[str, str] | None = None, *,
+                 timeout: float = 120.0) -> None:
+        """Start a node and wait until it has joined (one at a time: two raylets starting at once on one
+        loaded machine made one of them time out during its start-up). A start that fails so is retried."""
+        args = [f"--address={self.address}", f"--num-cpus={num_cpus}", f"--object-store-memory={200 * 1024 * 1024}",
+                *_flags(params or {})]
+        for attempt in range(2):
+            self._start(name if attempt == 0 else f"{name}-retry", args)
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline and self.procs[-1].poll() is None:
+                log = (Path(self.temp) / f"{name if attempt == 0 else name + '-retry'}.log").read_text(errors="replace")
+                if "Ray runtime started" in log:
+                    return
+                time.sleep(0.5)
+        raise AssertionError(f"ray start of node {name} failed twice; see {self.temp}/{name}*.log")
 
     def wait_nodes(self, n: int, timeout: float = 180.0) -> None:
         """Until `n` nodes are alive (asked by one throwaway driver process)."""

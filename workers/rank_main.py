@@ -128,4 +128,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # The rank's work and reports are done: skip the interpreter's teardown, where a native thread left
+    # by torch/gloo once aborted a finished rank ("terminate called without an active exception").
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

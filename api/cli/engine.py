@@ -89,7 +89,7 @@ def export_hf_cmd(
     region: str | None = typer.Option(None, "--region", help="S3 region (or AWS_REGION)"),
     tokenizer: str | None = typer.Option(
         None, "--tokenizer", help="a tokenizer.json or folder (e.g. a prepared data set's tokenizer/) to write beside "
-        "the weights, so AutoTokenizer loads the folder too",
+        "the weights, so AutoTokenizer loads the folder too; default: the one the job trained with, if recorded",
     ),
 ) -> None:
     """Export a run's final weights or a checkpoint's model as a Hugging Face folder of the model's
@@ -102,6 +102,7 @@ def export_hf_cmd(
                          model_config=str(model_config) if model_config is not None else None)  # fmt: skip
     try:
         found = resolve_export_source(source, opts)
+        tokenizer = tokenizer or found.tokenizer
         export_hf(found.state, found.model, str(out_dir), tokenizer=tokenizer)
     except (ExportSourceError, HFInteropError, ValueError) as e:
         _fail(str(e), EXIT_INVALID)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from parallel.config import EngineConfig
+from parallel.config import EngineConfig, resolve_local_paths
 from workers.final_state import FINAL_DIR
 from workers.metrics_log import METRICS_FILE, MetricsLog
 from workers.progress import StepProgress
@@ -174,10 +174,7 @@ class LocalLauncher:
         self.output_dir = Path(named or Path("runs") / time.strftime("train-%Y%m%d-%H%M%S")).resolve()
         self.cfg.training.output_dir = str(self.output_dir)
         # Paths as the caller meant them (relative to its folder), whatever folder a rank reads them in.
-        if self.cfg.data.path:
-            self.cfg.data.path = str(Path(self.cfg.data.path).expanduser().resolve())
-        if self.cfg.model.init_from:
-            self.cfg.model.init_from = str(Path(self.cfg.model.init_from).expanduser().resolve())
+        resolve_local_paths(self.cfg.model, self.cfg.data)
         self.extra_env = dict(env or {})
         self.show_progress = show_progress
         self.on_event = on_event

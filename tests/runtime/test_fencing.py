@@ -17,7 +17,9 @@ from tests.runtime.jobs import JobRun, assert_no_leaks, tiny_spec
 def test_a_stale_generations_snapshot_write_is_refused(head_cluster: Any, tmp_path: Path) -> None:
     # Snapshots at steps 8 and 16: generation 1 restores step 8 and commits nothing new before step 16,
     # so only the supervisor's fence at its launch can refuse generation 0 meanwhile.
-    chaos = [{"kind": "kill_worker", "step": 9, "rank": 1}]
+    # Generation 1 is slowed (0.5 s a step), so this test sees it begin well before it commits step 16.
+    chaos = [{"kind": "kill_worker", "step": 9, "rank": 1},
+             {"kind": "slow_worker", "step": 8, "rank": 0, "seconds": 0.5, "generation": 1}]
     run = JobRun(tiny_spec(tmp_path, steps=16, dp=2, chaos=chaos, ckpt={"in_memory_every": 8}))
     seen: dict[str, Any] = {}
 

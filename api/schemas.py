@@ -18,6 +18,8 @@ class Progress(BaseModel):
     eval_loss: float | None = Field(None, description="the newest held-out loss (jobs with data.eval)")
     tokens_per_s: float | None = None
     dp: int | None = None
+    target_dp: int | None = Field(None, description="the dp the scheduler asked the job to run at (it "
+                                  "differs from dp while a resize is under way)")
     world_size: int | None = None
     generation: int | None = None
     recoveries: int = 0

@@ -23,6 +23,14 @@ Role = Literal["user", "admin"]
 ROLES: tuple[str, ...] = ("user", "admin")
 TOKEN_PREFIX = "ubk_"
 MAX_TOKEN_LIFETIME_S = 10 * 365 * 86400.0
+MAX_WEIGHT = 1000.0  # fair-share weights: an owner's share of spare capacity is weight / sum of weights
+
+
+def check_weight(weight: float) -> None:
+    """ValueError naming the field and the range unless 0 < weight <= MAX_WEIGHT."""
+    if not isinstance(weight, int | float) or not 0 < float(weight) <= MAX_WEIGHT:
+        raise ValueError(f"weight={weight!r} must be above 0 and at most {MAX_WEIGHT:g} (1 is the default share; "
+                         "2 gets twice the spare capacity of an owner with 1)")
 
 
 @dataclass(frozen=True)

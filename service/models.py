@@ -44,6 +44,7 @@ class Job(Base):
     cancel_requested: Mapped[bool] = mapped_column(Boolean, nullable=False, default=False)
     recoveries: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
     progress: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    target_dp: Mapped[int | None] = mapped_column(Integer)  # the scheduler's: the dp it asked the job to run at
 
     __table_args__ = (
         UniqueConstraint("owner", "idempotency_key", name="uq_jobs_owner_idempotency_key"),
@@ -116,6 +117,7 @@ class Token(Base):
     expires_at: Mapped[float | None] = mapped_column(Float)  # None: never expires
     revoked_at: Mapped[float | None] = mapped_column(Float)  # set by revocation; the row stays for the audit
     created_by: Mapped[str | None] = mapped_column(String(128))
+    weight: Mapped[float] = mapped_column(Float, nullable=False, default=1.0, server_default="1")  # fair share
 
 
 class AuditEntry(Base):

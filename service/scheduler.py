@@ -5,7 +5,11 @@ Admitting a job starts its supervisor (service.supervisor.launch_supervisor), a 
 Ray actor that runs the job and reports through the JobStore. On start the scheduler reconciles
 with what survived a restart: jobs whose supervisor is alive are adopted, the others are failed.
 
-`plan_admission` is the pure policy (tested on its own); `Scheduler` wires it to the store and Ray.
+Each pass is service.scheduling.policies.plan over a snapshot of the store and the cluster (pure, tested
+on its own, and what the simulator runs): admission, shrinking lower-priority elastic jobs for the first
+job that waits for capacity (the supervisors' resize_to), growth into free capacity by priority then
+weighted fair share. Every decision is an event of the job with its reason; each job's target dp is
+kept in the store. `Scheduler` wires the plan to the store, the supervisors and Ray's autoscaler.
 Ray and the supervisor module are imported inside functions: the API can run without them
 ("store only" mode, where no scheduler exists and jobs stay PENDING).
 """
@@ -15,111 +19,24 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections import Counter
 from typing import Any
 
 from service import sizing
+from service.scheduling import autoscaler, policies
+from service.scheduling.admission import (  # noqa: F401 - the scheduler's policy names, re-exported
+    Admission,
+    OwnerUsage,
+    QueuedJob,
+    Quota,
+    QuotaPolicy,
+    plan_admission,
+)
+from service.scheduling.snapshot import JobView, Snapshot, add
 from service.statuses import CANCELLED, FAILED, PENDING
 from service.store import JobRecord, JobStore
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Quota:
-    """Limits on one owner's admitted, unfinished jobs. None: no limit."""
-
-    max_running_jobs: int | None = None
-    max_workers: int | None = None
-
-
-@dataclass(frozen=True)
-class QuotaPolicy:
-    default: Quota = field(default_factory=Quota)
-    per_owner: dict[str, Quota] = field(default_factory=dict)
-
-    def for_owner(self, owner: str) -> Quota:
-        return self.per_owner.get(owner, self.default)
-
-
-@dataclass(frozen=True)
-class QueuedJob:
-    """What admission needs to know about one waiting job."""
-
-    id: str
-    owner: str
-    priority: int
-    seq: int  # submission order
-    workers: int  # the minimum gang
-    demand: dict[str, float]  # Ray resources of the whole minimum gang
-
-
-@dataclass
-class OwnerUsage:
-    jobs: int = 0
-    workers: int = 0
-
-
-@dataclass(frozen=True)
-class Admission:
-    admit: list[str]
-    waiting: dict[str, str]  # job id -> why it waits
-
-
-def plan_admission(
-    queue: Sequence[QueuedJob],
-    free: dict[str, float],
-    total: dict[str, float],
-    usage: dict[str, OwnerUsage],
-    quotas: QuotaPolicy,
-) -> Admission:
-    """Which queued jobs to start now.
-
-    Order: priority (high first), then submission (FIFO). A job starts only if its whole minimum
-    gang fits in `free` (all or nothing). A job that fits the cluster but not what is free now
-    blocks every job behind it, so large jobs are not starved by a stream of small ones. A job
-    over its owner's quota, or larger than the whole cluster as it is now, waits without
-    blocking the others.
-    """
-    free = dict(free)
-    usage = {k: OwnerUsage(v.jobs, v.workers) for k, v in usage.items()}
-    admit: list[str] = []
-    waiting: dict[str, str] = {}
-    blocker: QueuedJob | None = None
-    for job in sorted(queue, key=lambda j: (-j.priority, j.seq)):
-        q = quotas.for_owner(job.owner)
-        u = usage.setdefault(job.owner, OwnerUsage())
-        if q.max_running_jobs is not None and u.jobs + 1 > q.max_running_jobs:
-            waiting[job.id] = f"owner {job.owner!r} is at its quota of {q.max_running_jobs} running jobs"
-            continue
-        if q.max_workers is not None and u.workers + job.workers > q.max_workers:
-            waiting[job.id] = (
-                f"owner {job.owner!r} would use {u.workers + job.workers} workers, over its quota of "
-                f"{q.max_workers}"
-            )
-            continue
-        if not sizing.fits(job.demand, total):
-            waiting[job.id] = f"needs {_fmt(job.demand)} but the whole cluster has {_fmt(total, job.demand)}"
-            continue
-        if blocker is not None:
-            waiting[job.id] = f"queued behind job {blocker.id} (priority {blocker.priority})"
-            continue
-        if sizing.fits(job.demand, free):
-            admit.append(job.id)
-            for k, v in job.demand.items():
-                free[k] = free.get(k, 0.0) - v
-            u.jobs += 1
-            u.workers += job.workers
-        else:
-            waiting[job.id] = f"waiting for {_fmt(job.demand)}; free now: {_fmt(free, job.demand)}"
-            blocker = job
-    return Admission(admit, waiting)
-
-
-def _fmt(res: dict[str, float], keys: dict[str, float] | None = None) -> str:
-    names = sorted(keys if keys is not None else res)
-    return ", ".join(f"{res.get(k, 0.0):g} {k}" for k in names) or "nothing"
 
 
 def queued_job(rec: JobRecord, spec: Any) -> QueuedJob:
@@ -143,10 +60,11 @@ class RayCluster:
         return {k: float(v) for k, v in ray.cluster_resources().items()}
 
 
-def _launch_supervisor(job_id: str, spec: Any, store_url: str | None, namespace: str) -> Any:
+def _launch_supervisor(job_id: str, spec: Any, store_url: str | None, namespace: str,
+                       target_dp: int | None = None) -> Any:
     from service.supervisor import launch_supervisor
 
-    return launch_supervisor(job_id, spec, store_url=store_url, namespace=namespace)
+    return launch_supervisor(job_id, spec, store_url=store_url, namespace=namespace, target_dp=target_dp)
 
 
 def _find_supervisor(job_id: str, namespace: str) -> Any:
@@ -194,6 +112,10 @@ class Scheduler:
         self._last_wait_reason: dict[str, str] = {}
         self._last_liveness = 0.0
         self.handles: dict[str, Any] = {}
+        self._active_ids: set[str] = set()
+        self._freed_by: str | None = None
+        self.decisions: Counter[str] = Counter()  # admit / shrink / grow: exported as a Prometheus counter
+        self.demand = autoscaler.DemandRequest()  # queued demand, asked of Ray's autoscaler
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -246,57 +168,84 @@ class Scheduler:
     # ---- admission -----------------------------------------------------------------------------
 
     def tick(self) -> list[str]:
-        """One admission pass; returns the ids of the jobs started."""
+        """One scheduling pass (service.scheduling.policies.plan): admit what fits, shrink lower-priority
+        elastic jobs for the first job that waits for capacity, grow running jobs into free capacity.
+        Each decision is recorded as an event with its reason. Returns the ids of the jobs started."""
         with self._lock:
             if time.monotonic() - self._last_liveness >= self.liveness_every_s:
                 self._last_liveness = time.monotonic()
                 self.check_liveness()
             queue_recs = self.store.queued_jobs()
-            if not queue_recs:
-                return []
             active = self.store.admitted_jobs()
-            usage: dict[str, OwnerUsage] = {}
-            reserved: dict[str, float] = {}
-            for rec in active:
-                u = usage.setdefault(rec.owner, OwnerUsage())
-                workers = max(rec.min_world, int((rec.progress or {}).get("world_size") or 0))
-                u.jobs += 1
-                u.workers += workers
-                for k, v in sizing.gang_demand(_spec_of(rec), workers).items():
-                    reserved[k] = reserved.get(k, 0.0) + v
+            ids = {rec.id for rec in active}
+            for gone in sorted(self._active_ids - ids):
+                self._freed_by = gone  # the last job that ended: what growth names as the cause
+            self._active_ids = ids
+            if not queue_recs and not active:
+                self.demand.update([])
+                return []  # an idle store: no Ray call
+            specs = {rec.id: _spec_of(rec) for rec in active}
             total = self.cluster.total()
+            running = [running_view(rec, specs[rec.id], total) for rec in active]
+            if not queue_recs and not any(j.target < j.dp_max for j in running):
+                if not any(j.dp == 0 for j in running):  # held while a job admitted onto new nodes starts
+                    self.demand.update([])
+                return []
+            specs.update({rec.id: self.store.get_spec(rec.id) for rec in queue_recs})
+            reserved: dict[str, float] = {}
+            for j in running:
+                reserved = add(reserved, j.demand(j.held))
             available = self.cluster.available()
             # Ray's free count lags a just-started job's reservation; our own count misses other users.
             free = {k: min(available.get(k, 0.0), total.get(k, 0.0) - reserved.get(k, 0.0)) for k in total}
-            specs = {rec.id: self.store.get_spec(rec.id) for rec in queue_recs}
-            plan = plan_admission(
-                [queued_job(r, specs[r.id]) for r in queue_recs], free, total, usage, self.quotas
-            )
+            snap = Snapshot(total, free, tuple(running),
+                            tuple(queued_view(r, specs[r.id], total) for r in queue_recs),
+                            self.store.owner_weights(), self.quotas)
+            plan = policies.plan(snap, "shrink", freed_by=self._freed_by)
             for job_id, why in plan.waiting.items():
                 if self._last_wait_reason.get(job_id) != why:
                     self._last_wait_reason[job_id] = why
                     self.store.add_event(job_id, "waiting", why)
+            for r in plan.resizes:
+                self._resize(r)
+            if any(r.kind == "grow" for r in plan.resizes):
+                self._freed_by = None
             started = []
-            for job_id in plan.admit:
+            for job_id, dp in plan.admit.items():
                 self._last_wait_reason.pop(job_id, None)
-                if self._admit(job_id, specs[job_id]):
+                if self._admit(job_id, specs[job_id], dp):
                     started.append(job_id)
+            self.demand.update(autoscaler.queued_demand(snap, plan))
             return started
 
-    def _admit(self, job_id: str, spec: Any) -> bool:
+    def _resize(self, r: policies.Resize) -> None:
+        """Ask a running job's supervisor to run at r.new from its next snapshot boundary on."""
+        self.store.set_target_dp(r.job_id, r.new)
+        self.store.add_event(r.job_id, r.kind, r.reason, {"old_dp": r.old, "new_dp": r.new})
+        self.decisions[r.kind] += 1
+        handle = self.handles.get(r.job_id) or self._supervisor(r.job_id)
+        if handle is not None and handle is not _UNKNOWN:
+            self.handles[r.job_id] = handle
+            handle.resize_to.remote(r.new, r.reason)
+
+    def _admit(self, job_id: str, spec: Any, dp: int | None = None) -> bool:
         if not self.store.mark_admitted(job_id):
             return False  # cancelled meanwhile
+        self.decisions["admit"] += 1
         try:
             from service.job_paths import resolve_job_paths
 
+            if dp is not None:
+                self.store.set_target_dp(job_id, dp)
             spec = resolve_job_paths(spec, job_id, self.runs_root)
-            handle = _launch_supervisor(job_id, spec, self.store_url, self.namespace)
+            handle = _launch_supervisor(job_id, spec, self.store_url, self.namespace, dp)
         except Exception as e:
             log.exception("could not start the supervisor of job %s", job_id)
             self.store.set_status(job_id, FAILED, f"could not start the job's supervisor: {e}")
             return False
         self.handles[job_id] = handle
-        self.store.add_event(job_id, "supervisor_started", f"supervisor job-{job_id}/supervisor started")
+        self.store.add_event(job_id, "supervisor_started", f"supervisor job-{job_id}/supervisor started"
+                             + (f" at dp={dp}" if dp is not None else ""), {"target_dp": dp} if dp else None)
         return True
 
     # ---- cancellation --------------------------------------------------------------------------
@@ -359,6 +308,8 @@ class Scheduler:
             handle = self._supervisor(rec.id)
             if handle is not None and handle is not _UNKNOWN and rec.cancel_requested:
                 handle.cancel.remote()  # a cancel that could not be delivered before
+            elif handle is not None and handle is not _UNKNOWN and rec.target_dp is not None:
+                handle.resize_to.remote(rec.target_dp)  # a no-op, unless its supervisor restarted since
             if handle is None:
                 fresh = self.store.get_job(rec.id)
                 if fresh is not None and not fresh.terminal:
@@ -366,6 +317,41 @@ class Scheduler:
                     lost.append(rec.id)
                 self.handles.pop(rec.id, None)
         return lost
+
+
+def _replica(spec: Any) -> tuple[dict[str, float], int]:
+    mp = sizing.model_parallel_size(spec)
+    return {k: v * mp for k, v in sizing.worker_resources(spec).items()}, mp
+
+
+def _dp_bounds(spec: Any, total: dict[str, float]) -> tuple[int, int]:
+    """resources.dp; an open max is what the whole cluster holds (as the supervisor fills it)."""
+    dp_min, dp_max = sizing.dp_range(spec)
+    if dp_max is None:
+        replica, _ = _replica(spec)
+        per = [int(total.get(k, 0.0) // v) for k, v in replica.items() if v > 0]
+        dp_max = max(dp_min, min(per) if per else dp_min)
+    return dp_min, dp_max
+
+
+def queued_view(rec: JobRecord, spec: Any, total: dict[str, float]) -> JobView:
+    replica, mp = _replica(spec)
+    dp_min, dp_max = _dp_bounds(spec, total)
+    return JobView(rec.id, rec.owner, rec.priority, rec.seq, replica, mp, dp_min, dp_max)
+
+
+def running_view(rec: JobRecord, spec: Any, total: dict[str, float]) -> JobView:
+    """A running job as the policies see it. Only a job with in-memory snapshots and a target the
+    scheduler set is resized (a planned resize restores from memory); others are held at what they run."""
+    replica, mp = _replica(spec)
+    dp_min, dp_max = _dp_bounds(spec, total)
+    p = rec.progress or {}
+    dp = int(p["dp"]) if isinstance(p.get("dp"), int) else 0
+    if rec.target_dp is None or not spec.checkpoint.in_memory_every:
+        fixed = max(dp, dp_min, rec.target_dp or 0)
+        return JobView(rec.id, rec.owner, rec.priority, rec.seq, replica, mp, fixed, fixed, dp=dp, target=fixed)
+    return JobView(rec.id, rec.owner, rec.priority, rec.seq, replica, mp, dp_min, dp_max, dp=dp,
+                   target=rec.target_dp)
 
 
 def _spec_of(rec: JobRecord) -> Any:

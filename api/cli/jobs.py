@@ -55,6 +55,11 @@ def _fmt(v: Any, spec: str = "") -> str:
     return "-" if v is None else format(v, spec)
 
 
+def _dp(p: Any) -> str:
+    """The dp now / the dp the scheduler asked for ("4/2" while shrinking from 4 to 2)."""
+    return f"{_fmt(p.dp)}/{_fmt(p.target_dp)}"
+
+
 def _watch(c: Client, job_id: str) -> Any:
     """A live bar until the job finishes: step/total, loss, tokens/s, dp, recoveries (rec)."""
     from rich.console import Console
@@ -123,11 +128,11 @@ def list_jobs(
         else:
             page = _run(lambda: c.list(status=status, owner=owner, name=name, limit=limit))
             jobs, more = page.items, page.next_cursor
-    rows = [("ID", "NAME", "OWNER", "STATUS", "PRIO", "STEP", "LOSS", "DP", "CREATED (UTC)")]
+    rows = [("ID", "NAME", "OWNER", "STATUS", "PRIO", "STEP", "LOSS", "DP/TARGET", "CREATED (UTC)")]
     for j in jobs:
         p = j.progress
         step = "-" if p.step is None else f"{p.step}/{p.total_steps}"
-        rows.append((j.id, j.name, j.owner, j.status, str(j.priority), step, _fmt(p.loss, ".4f"), _fmt(p.dp),
+        rows.append((j.id, j.name, j.owner, j.status, str(j.priority), step, _fmt(p.loss, ".4f"), _dp(p),
                      _ts(j.created_at)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
@@ -148,7 +153,10 @@ def status(
         job = _run(lambda: c.get(job_id))
         cks = _run(lambda: c.checkpoints(job_id)) if checkpoints else []
         # Warnings the job raised (e.g. in-memory snapshots kept on one node only), newest meaning last.
-        warned = [e.message for e in _run(lambda: list(c.events(job_id, follow=False))) if e.kind == "warning"]
+        evs = _run(lambda: list(c.events(job_id, follow=False)))
+        warned = [e.message for e in evs if e.kind == "warning"]
+        # The scheduler's decisions about the job (shrink, grow, why it waits), the newest last.
+        decided = [e for e in evs if e.kind in ("shrink", "grow", "waiting")][-3:]
     if as_json:
         typer.echo(job.model_dump_json(indent=2))
         return
@@ -158,7 +166,8 @@ def status(
         ("reason", job.reason or "-"), ("priority", job.priority),
         ("world", f"{job.min_world}..{job.max_world if job.max_world is not None else 'fill'} workers"),
         ("step", "-" if p.step is None else f"{p.step}/{p.total_steps}"), ("loss", _fmt(p.loss, ".4f")), ("eval loss", _fmt(p.eval_loss, ".4f")),
-        ("tokens/s", _fmt(p.tokens_per_s, ",.0f")), ("dp", _fmt(p.dp)), ("world_size", _fmt(p.world_size)),
+        ("tokens/s", _fmt(p.tokens_per_s, ",.0f")), ("dp", _fmt(p.dp)), ("target dp", _fmt(p.target_dp)),
+        ("world_size", _fmt(p.world_size)),
         ("generation", _fmt(p.generation)), ("recoveries", p.recoveries), ("created", _ts(job.created_at)),
         ("started", _ts(job.started_at)), ("finished", _ts(job.finished_at)),
     ]
@@ -166,6 +175,8 @@ def status(
         typer.echo(f"{k:>11}: {v}")
     for w in dict.fromkeys(warned):
         typer.echo(f"{'warning':>11}: {w}")
+    for e in decided:
+        typer.echo(f"{'scheduler':>11}: {_ts(e.ts)} {e.kind}: {e.message}")
     if checkpoints:
         from rich.console import Console
         from rich.table import Table

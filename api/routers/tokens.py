@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from api import schemas
 from api.deps import AdminCaller, ApiError, State
-from service.auth import MAX_TOKEN_LIFETIME_S
+from service.auth import MAX_TOKEN_LIFETIME_S, MAX_WEIGHT
 from service.store import TokenRecord
 
 router = APIRouter(prefix="/v1", tags=["tokens"])
@@ -29,6 +29,9 @@ class TokenCreate(BaseModel):
     label: str | None = Field(default=None, max_length=128)
     expires_in_s: float | None = Field(default=None, gt=0, le=MAX_TOKEN_LIFETIME_S,
                                        description="lifetime in seconds; leave out for a token that never expires")
+    weight: float = Field(default=1.0, gt=0, le=MAX_WEIGHT,
+                          description="the owner's fair share of spare capacity (an owner's weight is the largest "
+                                      "of its valid tokens'; 2 gets twice the share of 1)")
 
 
 class TokenOut(BaseModel):
@@ -40,6 +43,7 @@ class TokenOut(BaseModel):
     expires_at: float | None
     revoked_at: float | None
     created_by: str | None
+    weight: float = 1.0
 
 
 class TokenCreated(TokenOut):
@@ -52,13 +56,14 @@ class TokenList(BaseModel):
 
 def token_out(rec: TokenRecord) -> TokenOut:
     return TokenOut(id=rec.id, principal=rec.principal, role=rec.role, label=rec.label, created_at=rec.created_at,
-                    expires_at=rec.expires_at, revoked_at=rec.revoked_at, created_by=rec.created_by)
+                    expires_at=rec.expires_at, revoked_at=rec.revoked_at, created_by=rec.created_by,
+                    weight=rec.weight)
 
 
 @router.post("/tokens", status_code=201, response_model=TokenCreated, responses=ERRORS, summary="Create a token")
 def create_token(body: TokenCreate, admin: AdminCaller, state: State) -> TokenCreated:
     rec, text = state.store.issue_token(body.principal, body.role, body.label, expires_in_s=body.expires_in_s,
-                                        created_by=admin.name)
+                                        created_by=admin.name, weight=body.weight)
     return TokenCreated(**token_out(rec).model_dump(), token=text)
 
 

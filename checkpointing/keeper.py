@@ -190,6 +190,13 @@ class Keeper:
                 "committed": list(self._committed.get(job_id, [])),
             }
 
+    def held(self, job_id: str, generation: int, step: int) -> list[int]:
+        """The ranks of one snapshot this keeper holds (its node's and the previous node's on the ring:
+        checkpointing.ring): what a commit asks, O(ranks per node), not the keeper's whole holdings."""
+        g, s = int(generation), int(step)
+        with self._lock:
+            return sorted(r for (j, gg, ss, r) in self._shards if j == job_id and gg == g and ss == s)
+
     def commit(self, job_id: str, generation: int, step: int) -> None:
         """Mark (generation, step) committed for the job, fence older generations, apply retention."""
         with self._lock:
@@ -450,17 +457,25 @@ def commit_snapshot(
     nothing, when some shard is still missing (not sent yet, refused, or its keeper died); True once
     every live holder has marked it committed (which frees older snapshots, see Keeper).
     """
-    holders, world, _committed, _errors = snapshot_holders(keepers, job_id)
-    held = holders.get((generation, step), {})
-    need = required_copies(keepers)
-    if world.get((generation, step), world_size) != world_size:
+    # Each keeper answers for this snapshot only (its ring share), so a commit's cost grows with the
+    # nodes, not with every shard every keeper holds.
+    results, _errors = _call_all(keepers, "held", job_id, generation, step)
+    copies: dict[int, int] = {}
+    for ranks in results.values():
+        for r in ranks:
+            copies[r] = copies.get(r, 0) + 1
+    extra = sorted(r for r in copies if r >= world_size)
+    if extra:
         raise ValueError(
-            f"commit_snapshot: world_size={world_size} but the shards of job {job_id!r} step {step} were "
-            f"sent by a world of {world[(generation, step)]}; pass the snapshot's world size"
+            f"commit_snapshot: world_size={world_size} but the keepers hold shards of ranks {extra[:4]} of job "
+            f"{job_id!r} step {step}; pass the snapshot's world size"
         )
-    if any(len(held.get(r, [])) < need for r in range(world_size)):
+    # Copies on the keepers that answered: a dead keeper (killed, its node alive) must not stop every
+    # commit until the next re-form replaces it; with one keeper left, one copy is all there can be.
+    need = required_copies({n: keepers[n] for n in results})
+    if not results or any(copies.get(r, 0) < need for r in range(world_size)):
         return False
-    nodes = sorted({n for ns in held.values() for n in ns})
+    nodes = sorted(n for n, ranks in results.items() if ranks)
     ray.get([keepers[n].commit.remote(job_id, generation, step) for n in nodes])
     return True
 

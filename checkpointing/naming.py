@@ -26,6 +26,16 @@ def supervisor_name(job_id: str) -> str:
     return f"job-{job_id}/supervisor"
 
 
+def agent_prefix(job_id: str) -> str:
+    """What every node agent name of a job starts with."""
+    return f"job-{job_id}/agent-"
+
+
+def agent_name(job_id: str, node: str) -> str:
+    """The node agent of a job on a node (workers.node_agent)."""
+    return f"{agent_prefix(job_id)}{node}"
+
+
 def worker_prefix(job_id: str) -> str:
     """What every worker actor name of a job starts with (to find them after a supervisor restart)."""
     return f"job-{job_id}/worker-"

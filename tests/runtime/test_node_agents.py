@@ -1,0 +1,205 @@
+"""Node agents (workers.node_agent) and the supervisor's side of them (service.supervisor.agents):
+folding a node's notes into one batch, finding lost ranks, and the scale simulation's smoke run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from service.policies import FailureKind, StragglerPolicy
+from service.spec import JobSpec
+from service.supervisor.agents import AgentTracker
+from service.supervisor.committer import SnapshotCommitter
+from service.supervisor.context import JobRun
+from service.supervisor.detection import FailureDetector
+from service.supervisor.pool import Slot
+from service.supervisor.reporter import Reporter
+from workers.node_agent import NodeAggregator, agent_groups, process_state
+from workers.protocol import CheckpointReport, Heartbeat, NodeBatch, SnapshotAck, StepReport
+
+
+def _run(tmp_path: Path) -> tuple[JobRun, Reporter, SnapshotCommitter]:
+    spec = JobSpec.model_validate({"name": "agents"})
+    run = JobRun(job_id="j", spec=spec, namespace="t", store=None, restarted=False, self_handle=None, mp=1, cp_tp=1,
+                 per_worker={"CPU": 1.0}, dp_min=1, dp_max=16, output_dir=tmp_path)
+    run.generation = 2
+    reporter = Reporter(run, None)
+    return run, reporter, SnapshotCommitter(run, reporter)
+
+
+def _hb(w: str, rank: int, step: int, gen: int = 2, gap: float = 0.01) -> Heartbeat:
+    return Heartbeat(w, gen, rank, 0.0, phase="training", step=step, pid=1, last=StepReport(step, gap, 1.0, 2.0))
+
+
+def test_a_node_batch_carries_its_ranks_and_the_supervisor_takes_it_whole(tmp_path: Path) -> None:
+    run, reporter, committer = _run(tmp_path)
+    relayed: list[object] = []
+    tracker = AgentTracker(run, committer.on_ack, relayed.append)
+    agg = NodeAggregator("job-j/agent-a", "a", heartbeat_timeout_s=5.0)
+    for r in range(4):
+        agg.own(f"w{r}", r, 2, None, now=0.0)
+    for r in range(4):
+        agg.collect(_hb(f"w{r}", r, 7), now=1.0)
+        agg.collect(SnapshotAck(f"w{r}", 2, r, 1.0, step=7, ok=True, world_size=8, acked=["a", "b"]), now=1.0)
+    agg.collect(_hb("w0", 0, 6, gen=1), now=1.0)  # an older generation's step: dropped
+    ckpt = CheckpointReport("w0", 2, 0, 1.0, step=7, ok=True, uri="file:///x", error=None, abandoned=False)
+    agg.collect(ckpt, now=1.0)
+    batch = agg.flush(now=1.1)
+    assert isinstance(batch, NodeBatch) and batch.node == "a" and batch.seq == 1
+    assert set(batch.steps) == {7} and set(batch.steps[7]) == {"w0", "w1", "w2", "w3"}
+    assert batch.acks == {(2, 7): [0, 1, 2, 3]} and batch.ack_world == {(2, 7): 8}
+    assert batch.notes == [ckpt] and batch.lost == []
+    later = agg.flush(now=1.15)  # sent after `batch`, run before it (a threaded actor's order)
+    with run.lock:
+        tracker.on_batch(later, now=1.2)
+        tracker.on_batch(batch, now=1.2)  # still taken: it carries acks and timings of its own
+    assert set(run.step_reports[7]["gap"]) == {"w0", "w1", "w2", "w3"}
+    assert committer._acks[(2, 7)]["ranks"] == {0, 1, 2, 3}
+    assert relayed == [ckpt] and tracker.max_step == 7 and tracker.seen["a"] == 1.2
+    assert later.steps == {} and agg.flush(now=2.0).steps == {}  # what was sent is not sent again
+
+
+def test_the_agent_finds_a_dead_and_a_silent_rank_and_the_detector_names_them(tmp_path: Path) -> None:
+    run, reporter, committer = _run(tmp_path)
+    tracker = AgentTracker(run, committer.on_ack, lambda n: None, interval_s=0.25, misses=3)
+    detector = FailureDetector(run, reporter, StragglerPolicy(3.0))
+    slots = [Slot(f"w{r}", None, r, 0, info={"node_name": "a" if r < 2 else "b"}, rank=r) for r in range(4)]
+    agg = NodeAggregator("job-j/agent-a", "a", heartbeat_timeout_s=2.0)
+    agg.own("w0", 0, 2, None, now=0.0)
+    agg.own("w1", 1, 2, None, now=0.0)
+    tracker.expect(["a", "b"], now=0.0)
+    assert not agg.check(1.0, lambda r: "alive") and not agg.urgent
+    assert agg.check(1.5, lambda r: "gone" if r.worker == "w1" else "alive") and agg.urgent
+    with run.lock:
+        tracker.on_batch(agg.flush(1.5), now=1.5)
+    f = detector.from_agents(tracker.take_lost(), tracker.silent(1.5), slots, 1.5)
+    assert f is not None and f.kind == FailureKind.WORKER_DIED and [s.name for s in f.slots] == ["w1"]
+    assert not agg.check(1.6, lambda r: "gone" if r.worker == "w1" else "alive")  # said once
+    agg.collect(_hb("w0", 0, 3), now=1.0)
+    assert agg.check(3.5, lambda r: "alive")  # w0 silent for 2.5 s > 2 s
+    with run.lock:
+        tracker.on_batch(agg.flush(3.5), now=3.5)
+    f = detector.from_agents(tracker.take_lost(), [], slots, 3.5)
+    assert f is not None and f.kind == FailureKind.HANG and f.slots[0].name == "w0" and f.t_fault == 1.0
+    # Node b's agent sent nothing since 0.0: after 3 missed intervals (0.75 s) its node is lost.
+    silent = tracker.silent(3.5)
+    assert silent == [("b", 0.0)]
+    f = detector.from_agents([], silent, slots, 3.5)
+    assert f is not None and f.kind == FailureKind.NODE_DIED and {s.name for s in f.slots} == {"w2", "w3"}
+
+
+def test_a_group_leader_folds_its_members_and_reports_a_silent_member_node(tmp_path: Path) -> None:
+    run, reporter, committer = _run(tmp_path)
+    tracker = AgentTracker(run, committer.on_ack, lambda n: None, interval_s=0.25, misses=3)
+    detector = FailureDetector(run, reporter, StragglerPolicy(3.0))
+    groups = agent_groups([f"n{i}" for i in range(5)], fanin=2)
+    assert groups == {"n0": ["n0", "n1"], "n2": ["n2", "n3"], "n4": ["n4"]}
+    slots = [Slot(f"w{r}", None, r, 0, info={"node_name": f"n{r // 2}"}, rank=r) for r in range(6)]
+    aggs = {n: NodeAggregator(f"job-j/agent-{n}", n, 5.0) for n in ("n0", "n1", "n2")}
+    for s in slots:
+        aggs[s.info["node_name"]].own(s.name, s.rank, 2, None, now=0.0)
+    aggs["n0"].lead(["n0", "n1"], now=0.0, timeout_s=0.75)
+    tracker.expect(["n0", "n1", "n2"], now=0.0, reporters=["n0", "n2"])
+    for s in slots:
+        aggs[s.info["node_name"]].collect(_hb(s.name, s.rank, 4), now=0.2)
+    assert not aggs["n0"].collect(aggs["n1"].flush(0.25), now=0.26)  # the member's batch, folded
+    batch = aggs["n0"].flush(0.3)
+    assert set(batch.steps[4]) == {"w0", "w1", "w2", "w3"} and set(batch.members) == {"n0", "n1"}
+    with run.lock:
+        tracker.on_batch(batch, now=0.3)
+        tracker.on_batch(aggs["n2"].flush(0.3), now=0.3)
+    assert set(run.step_reports[4]["gap"]) == {"w0", "w1", "w2", "w3", "w4", "w5"}
+    assert tracker.silent(0.9) == []  # n1 is a member: its leader watches it, not the supervisor
+    assert aggs["n0"].check(1.1, lambda r: "alive") and aggs["n0"].urgent  # n1 silent since 0.26
+    with run.lock:
+        tracker.on_batch(aggs["n2"].flush(1.0), now=1.0)
+        tracker.on_batch(aggs["n0"].flush(1.1), now=1.1)
+    silent = tracker.silent(1.1)
+    assert silent == [("n1", 0.26)]
+    f = detector.from_agents([], silent, slots, 1.1)
+    assert f is not None and f.kind == FailureKind.NODE_DIED and {s.name for s in f.slots} == {"w2", "w3"}
+    # A leader gone silent: the supervisor finds it itself (n2 sent last at 1.0).
+    assert ("n2", 1.0) in tracker.silent(1.8) and ("n2", 1.0) not in tracker.silent(1.7)
+
+
+def test_process_state_reads_exit_and_sigstop_from_proc() -> None:
+    if not Path("/proc/self/stat").exists():
+        pytest.skip("no /proc here")
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert process_state(p.pid) == "alive"
+        os.kill(p.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while process_state(p.pid) != "stopped" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert process_state(p.pid) == "stopped"
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(timeout=10)
+        assert process_state(p.pid) == "gone"
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    with pytest.raises(ValueError, match="heartbeat_timeout_s"):
+        NodeAggregator("x", "a", heartbeat_timeout_s=0)
+
+
+def test_the_scale_simulation_runs_at_64_ranks_and_finds_every_fault_as_what_it_is() -> None:
+    from tests.benchmarks.scale_sim import RAY_NODE_S, Params, simulate
+
+    r = simulate(Params(64, trials={"death": 2, "node_loss": 2, "hang": 1, "straggler": 1}, gap_s=0.5))
+    assert r["wrong"] == []
+    for kind in ("death", "node_loss", "hang", "straggler"):
+        assert r[kind]["n"] == {"death": 2, "node_loss": 2}.get(kind, 1)
+    # A node loss was found by its agent's silence, before Ray's health check would report it.
+    assert r["node_loss"]["p99"] < RAY_NODE_S
+    assert r["msgs_per_s"] > 0 and r["steps"] > 0
+
+
+@pytest.fixture(scope="module")
+def bc_cluster() -> Iterator[Any]:
+    """The head runs no workers; nodes b and c hold two 0.5-CPU workers each (one agent group, led by b)."""
+    from tests.runtime.conftest import make_cluster
+
+    yield from make_cluster(0, {"b": 1, "c": 1})
+
+
+def test_a_node_killed_is_found_by_its_group_leaders_agent(bc_cluster: Any, tmp_path: Path) -> None:
+    import ray
+
+    from tests.runtime.jobs import JobRun, assert_no_leaks, tiny_spec
+
+    slow = [{"kind": "slow_worker", "step": 0, "rank": r, "seconds": 0.3} for r in range(4)]
+    run = JobRun(tiny_spec(tmp_path, steps=40, chaos=slow))
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            run.poll()
+            st = ray.get(run.handle.status.remote(), timeout=30)
+            if st["step"] >= 3:
+                break
+            time.sleep(0.3)
+        gen0 = run.of("generation")[0]["data"]
+        assert gen0["world_size"] == 4 and gen0["agents"] == ["b", "c"], gen0
+        bc_cluster.kill_node("c")  # a member of b's group: b's agent sees it fall silent
+        run.wait(timeout_s=400)
+        assert run.status["state"] == "SUCCEEDED", run.events
+        lost = run.of("agent_lost")
+        assert lost and lost[0]["data"]["node"] == "c" and lost[0]["data"]["leader"] == "b", run.kinds()
+        # The recovery starts from whichever report comes first: Ray's of the node's dead workers (often
+        # before the node is marked dead: worker_died), the agents', or a broken collective.
+        first = run.of("failure_detected")[0]["data"]
+        assert first["kind"] in ("node_died", "worker_died", "collective_error"), first
+        assert [(e["data"]["old_dp"], e["data"]["new_dp"]) for e in run.of("resized")][0] == (4, 2)
+        assert run.of("generation")[-1]["data"]["agents"] == ["b"]
+    finally:
+        run.finish()
+    assert_no_leaks(run.job_id)

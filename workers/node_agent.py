@@ -1,0 +1,316 @@
+"""The node agent: one per node and job (`job-<id>/agent-<node>`), owning that node's ranks.
+
+Ranks send their notes (workers.protocol) to their node's agent instead of to the supervisor; the
+agent folds them into one `NodeBatch` per interval, so the supervisor handles one message per node
+per interval whatever the ranks per node. The agent also watches its ranks from up close:
+
+    died   the rank's process is gone (or a zombie): seen at the next check (CHECK_S), sent at once
+    hang   the rank's process is stopped (SIGSTOP: state T), or silent for heartbeat_timeout_s
+    node   the agent itself goes with its node: the supervisor sees its batches stop (and Ray's
+           node death), see service.supervisor.agents
+
+and relays the supervisor's commands (abort, pause) to its ranks. `NodeAggregator` is the whole of
+the folding and watching, with no Ray in it (the scale simulation runs it as it is); `NodeAgent` is
+the Ray actor around it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from workers.protocol import FaultNote, Heartbeat, NodeBatch, Note, RankLost, SnapshotAck
+
+CHECK_S = 0.1  # how often the agent looks at its ranks' processes
+# Agents form a tree: up to FANIN nodes' agents send their batches to their group's leader (one of
+# them), which sends one batch for the group. A Ray call costs its receiver ~0.2 ms of CPU here
+# (scale_bench measures it), so 1,250 nodes' batches 4 times a second would take a core.
+FANIN = 16
+
+
+def agent_groups(nodes: list[str], fanin: int = FANIN) -> dict[str, list[str]]:
+    """leader node -> its group's nodes (itself first): sorted nodes in runs of `fanin`."""
+    if fanin < 1:
+        raise ValueError(f"fanin={fanin}: must be >= 1 (nodes per agent group)")
+    ordered = sorted(set(nodes))
+    return {g[0]: g for g in (ordered[i : i + fanin] for i in range(0, len(ordered), fanin))}
+
+
+@dataclass
+class LocalRank:
+    worker: str
+    rank: int
+    generation: int
+    pid: int | None
+    seen: float  # when the agent last heard from it (or was told to own it)
+    handle: Any = None
+    lost: bool = False
+
+
+@dataclass
+class _Pending:
+    """What the next batch carries."""
+
+    steps: dict[int, dict[str, tuple[float, float]]] = field(default_factory=dict)
+    acks: dict[tuple[int, int], list[int]] = field(default_factory=dict)
+    ack_world: dict[tuple[int, int], int] = field(default_factory=dict)
+    ack_failures: int = 0
+    lost: list[RankLost] = field(default_factory=list)
+    lost_nodes: dict[str, float] = field(default_factory=dict)
+    member_beats: dict[str, float] = field(default_factory=dict)
+    notes: list[Note] = field(default_factory=list)
+    logs: list[tuple[float, str, str]] = field(default_factory=list)  # (time, source, line)
+    max_step: int = 0
+    max_step_time_s: float = 0.0
+
+
+class NodeAggregator:
+    """Folds a node's rank notes into NodeBatch messages and finds its lost ranks (no Ray, no threads:
+    the caller serialises calls)."""
+
+    def __init__(self, name: str, node: str, heartbeat_timeout_s: float) -> None:
+        if heartbeat_timeout_s <= 0:
+            raise ValueError(f"heartbeat_timeout_s={heartbeat_timeout_s}: must be > 0 "
+                             "(fault_tolerance.heartbeat_timeout_s)")
+        self.name = name
+        self.node = node
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.ranks: dict[str, LocalRank] = {}
+        self.generation = -1
+        self.seq = 0
+        self._p = _Pending()
+        self.members: dict[str, float] = {}  # as a group's leader: member node -> when its batch last came
+        self.member_timeout_s = 0.0
+
+    def lead(self, members: list[str], now: float, timeout_s: float) -> None:
+        """Lead a group: the members' agents send their batches here; one silent for over timeout_s is
+        a lost node (said in the next batch, sent at once)."""
+        self.members = {m: now for m in members if m != self.node}
+        self.member_timeout_s = timeout_s
+
+    # ----------------------------------------------------------------- ownership
+    def own(self, worker: str, rank: int, generation: int, pid: int | None, now: float, handle: Any = None) -> None:
+        """This node's `worker` is `rank` in `generation` now (a new generation replaces the old)."""
+        if generation > self.generation:
+            self.generation = generation
+            self._p.steps.clear()  # an older generation's timings mean nothing to the new one
+        self.ranks[worker] = LocalRank(worker, rank, generation, pid, now, handle)
+
+    def release(self, worker: str) -> None:
+        self.ranks.pop(worker, None)
+
+    # ----------------------------------------------------------------- intake
+    def collect(self, note: Note, now: float) -> bool:
+        """A note from one of this node's ranks; True when it should go on at once (a chaos fault is
+        about to act: the supervisor names it as the cause only if its note comes first)."""
+        if isinstance(note, NodeBatch):
+            return self._absorb(note, now)
+        r = self.ranks.get(note.worker)
+        if r is not None:
+            r.seen = now
+        p = self._p
+        if note.logs:
+            p.logs.extend((t, note.source, line) for t, _stream, line in note.logs)
+            note.logs = []
+        if isinstance(note, Heartbeat):
+            last = note.last
+            if last is not None and note.generation == self.generation:
+                p.steps.setdefault(note.step, {})[note.worker] = (last.gap_s, last.step_time_s)
+                if note.step > p.max_step:
+                    p.max_step = note.step
+                if last.step_time_s > p.max_step_time_s:
+                    p.max_step_time_s = last.step_time_s
+            if note.metrics is not None:
+                p.notes.append(note)  # rank 0's metrics row: the supervisor writes it
+        elif isinstance(note, SnapshotAck):
+            if note.ok:
+                key = (note.generation, note.step)
+                p.acks.setdefault(key, []).append(note.rank)
+                p.ack_world[key] = note.world_size
+            else:
+                p.ack_failures += 1
+                p.notes.append(note)  # rare: the supervisor counts it and keeps its errors
+        else:
+            p.notes.append(note)  # Formed, CheckpointReport, FaultNote: rare, relayed as they are
+            return isinstance(note, FaultNote)
+        return False
+
+    def _absorb(self, b: NodeBatch, now: float) -> bool:
+        """A member's batch, folded into this leader's next one; True when it reports a loss."""
+        if b.node in self.members:
+            self.members[b.node] = now
+        p = self._p
+        for step, timings in b.steps.items():
+            p.steps.setdefault(step, {}).update(timings)
+        for key, ranks in b.acks.items():
+            p.acks.setdefault(key, []).extend(ranks)
+            p.ack_world[key] = b.ack_world[key]
+        p.ack_failures += b.ack_failures
+        p.max_step = max(p.max_step, b.max_step)
+        p.max_step_time_s = max(p.max_step_time_s, b.max_step_time_s)
+        p.member_beats.update(b.beats)
+        p.lost.extend(b.lost)
+        p.lost_nodes.update(b.lost_nodes)
+        p.notes.extend(b.notes)
+        p.logs.extend(b.rank_logs)
+        return bool(b.lost or b.lost_nodes or any(isinstance(n, FaultNote) for n in b.notes))
+
+    # ----------------------------------------------------------------- watching
+    def check(self, now: float, state_of: Callable[[LocalRank], str]) -> bool:
+        """Look at every owned rank; `state_of(rank)` says 'alive', 'gone' or 'stopped'. Returns True
+        when a rank was found lost now (the caller sends a batch at once)."""
+        found = False
+        for r in self.ranks.values():
+            if r.lost or r.generation < self.generation:
+                continue
+            state = state_of(r)
+            if state == "gone":
+                kind, detail = "died", f"{r.worker} (rank {r.rank}): its process exited (seen by {self.name})"
+                t_fault = now
+            elif state == "stopped":
+                kind, detail = "hang", f"{r.worker} (rank {r.rank}): its process is stopped (SIGSTOP)"
+                t_fault = r.seen
+            elif now - r.seen > self.heartbeat_timeout_s:
+                kind = "hang"
+                detail = (f"{r.worker} (rank {r.rank}) sent no note for {now - r.seen:.1f}s; "
+                          f"heartbeat_timeout_s={self.heartbeat_timeout_s:g}")
+                t_fault = r.seen
+            else:
+                continue
+            r.lost = True
+            self._p.lost.append(RankLost(r.worker, r.rank, r.generation, kind, detail, t_fault, now))
+            found = True
+        for m, seen in list(self.members.items()):
+            if now - seen > self.member_timeout_s:
+                self._p.lost_nodes[m] = seen
+                del self.members[m]  # said once
+                found = True
+        return found
+
+    @property
+    def urgent(self) -> bool:
+        """A lost rank waits to be sent."""
+        return bool(self._p.lost or self._p.lost_nodes)
+
+    # ----------------------------------------------------------------- output
+    def flush(self, now: float) -> NodeBatch:
+        """Everything since the last batch, in one message (an empty batch is the agent's heartbeat)."""
+        p, self._p = self._p, _Pending()
+        self.seq += 1
+        beats = {r.worker: r.seen for r in self.ranks.values()}
+        beats.update(p.member_beats)
+        members = {self.node: now, **self.members} if self.members else {}
+        return NodeBatch(self.name, self.generation, -1, now, node=self.node, seq=self.seq, max_step=p.max_step,
+                         max_step_time_s=p.max_step_time_s, steps=p.steps, acks=p.acks, ack_world=p.ack_world,
+                         ack_failures=p.ack_failures, beats=beats, lost=p.lost, notes=p.notes, rank_logs=p.logs,
+                         members=members, lost_nodes=p.lost_nodes)
+
+
+def process_state(pid: int | None) -> str:
+    """'alive', 'gone' (exited, or a zombie) or 'stopped' (SIGSTOP, traced), from /proc."""
+    if pid is None:
+        return "alive"
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            stat = f.read()
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return "gone"
+        except PermissionError:
+            return "alive"
+        return "alive"  # no /proc here: alive as far as we can tell
+    state = stat.rsplit(")", 1)[-1].split()[0]
+    return {"Z": "gone", "X": "gone", "T": "stopped", "t": "stopped"}.get(state, "alive")
+
+
+class NodeAgent:
+    """The Ray actor (`job-<id>/agent-<node>`, on its node, threaded): ranks `report` to it; it sends
+    `supervisor.report(NodeBatch)` every interval_s, and at once when a rank is lost."""
+
+    def __init__(self, name: str, node: str, supervisor: Any, interval_s: float, heartbeat_timeout_s: float) -> None:
+        if interval_s <= 0:
+            raise ValueError(f"interval_s={interval_s}: must be > 0 (the agent's batch interval)")
+        self.agg = NodeAggregator(name, node, heartbeat_timeout_s)
+        self.supervisor = supervisor
+        self.upstream = supervisor  # where batches go: the supervisor, or the group leader's agent
+        self.interval_s = interval_s
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        threading.Thread(target=self._send_loop, name="agent-send", daemon=True).start()
+        threading.Thread(target=self._check_loop, name="agent-check", daemon=True).start()
+
+    # ----------------------------------------------------------------- from the supervisor
+    def own(self, ranks: list[tuple[str, int, int, int | None, Any]]) -> int:
+        """(worker, rank, generation, pid, handle) of this node's ranks in a generation; returns how many."""
+        now = time.time()
+        with self._lock:
+            for worker, rank, generation, pid, handle in ranks:
+                self.agg.own(worker, rank, generation, pid, now, handle)
+            return len(self.agg.ranks)
+
+    def set_upstream(self, upstream: Any, members: list[str], member_timeout_s: float) -> None:
+        """Send batches to `upstream` (the group leader's agent; None: the supervisor) and lead `members`
+        (the group's other nodes, when this agent is their leader)."""
+        with self._lock:
+            self.upstream = upstream if upstream is not None else self.supervisor
+            self.agg.lead(members, time.time(), member_timeout_s)
+
+    def release(self, workers: list[str]) -> None:
+        with self._lock:
+            for w in workers:
+                self.agg.release(w)
+
+    def abort(self, generation: int) -> None:
+        """Relay: every owned rank stops generations up to `generation`."""
+        for r in self._handles():
+            with contextlib.suppress(Exception):
+                r.handle.abort.remote(generation)
+
+    def pause_at(self, generation: int, step: int) -> None:
+        """Relay: every owned rank pauses after `step` of `generation` (to grow)."""
+        for r in self._handles():
+            with contextlib.suppress(Exception):
+                r.handle.pause_at.remote(generation, step)
+
+    def ping(self) -> str:
+        return self.agg.node
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    # ----------------------------------------------------------------- from the ranks
+    def report(self, note: Note) -> None:
+        with self._lock:
+            urgent = self.agg.collect(note, time.time())
+        if urgent:
+            self._wake.set()
+
+    # ----------------------------------------------------------------- loops
+    def _handles(self) -> list[LocalRank]:
+        with self._lock:
+            return [r for r in self.agg.ranks.values() if r.handle is not None]
+
+    def _check_loop(self) -> None:
+        while not self._stop.wait(CHECK_S):
+            with self._lock:
+                lost = self.agg.check(time.time(), lambda r: process_state(r.pid))
+            if lost:
+                self._wake.set()
+
+    def _send_loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
+            with self._lock:
+                batch = self.agg.flush(time.time())
+            with contextlib.suppress(Exception):  # a missing supervisor must not stop the agent
+                self.upstream.report.remote(batch)

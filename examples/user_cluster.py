@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +27,8 @@ from service.local_cluster import FAST_FAILURE_DETECTION, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 UNBROKEN = str(Path(sys.executable).with_name("unbroken"))
+# How long a node (and its workers) waits for a restarted GCS before giving up; Ray's default is 60 s.
+GCS_RECONNECT_TIMEOUT_S = 300
 RAY = str(Path(sys.executable).with_name("ray"))
 
 
@@ -99,18 +102,64 @@ class RayStartCluster:
     private cluster (tests/deploy/test_head_script.py does the same); node death is seen in seconds.
     """
 
-    def __init__(self, *, head: dict[str, str] | None = None, temp: str | None = None) -> None:
+    def __init__(self, *, head: dict[str, str] | None = None, temp: str | None = None,
+                 gcs_redis: str | None = None) -> None:
         self.temp = temp or tempfile.mkdtemp(prefix="ubrs-", dir="/tmp")  # short: Ray's socket paths
         self.port = free_port()
         self.sids: list[int] = []
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.node_sids: dict[str, int] = {}  # worker nodes by name: the session of their `ray start`
         env = {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
         self.env = {**env, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1",
-                    **{f"RAY_{k}": str(v) for k, v in FAST_FAILURE_DETECTION.items()}}
+                    **{f"RAY_{k}": str(v) for k, v in FAST_FAILURE_DETECTION.items()},
+                    # `ray start` waits for the node's registration (Ray's hint: raylet_start_wait_time_s);
+                    # the raylet's own ~20 s wait for its agent's port file is fixed, hence the retries.
+                    "RAY_agent_register_timeout_ms": "120000", "RAY_raylet_start_wait_time_s": "120"}
+        self.head_env = dict(self.env)
+        if gcs_redis:
+            # GCS fault tolerance as KubeRay sets it up (gcsFaultToleranceOptions): the GCS keeps its tables
+            # in Redis under a namespace of this cluster's own, and every node waits for a restarted GCS
+            # instead of exiting after Ray's default 60 s.
+            self.head_env |= {"RAY_REDIS_ADDRESS": gcs_redis,
+                              "RAY_external_storage_namespace": Path(self.temp).name}
+            self.env["RAY_gcs_rpc_server_reconnect_timeout_s"] = str(GCS_RECONNECT_TIMEOUT_S)
+            self.head_env["RAY_gcs_rpc_server_reconnect_timeout_s"] = str(GCS_RECONNECT_TIMEOUT_S)
         head = dict(head if head is not None else {"num-cpus": "0"})
-        self._start("head", ["--head", f"--port={self.port}", f"--temp-dir={self.temp}",
-                             f"--dashboard-port={free_port()}", "--include-dashboard=false",
-                             f"--ray-client-server-port={free_port()}", *_flags(head)])
+        self._head_args = ["--head", f"--port={self.port}", f"--temp-dir={self.temp}",
+                           f"--dashboard-port={free_port()}", "--include-dashboard=false",
+                           f"--ray-client-server-port={free_port()}", *_flags(head)]
+        self._start("head", self._head_args, env=self.head_env)
+        try:
+            self.address = self._head_address()
+        except AssertionError:  # a start that timed out on a loaded machine: once more, on the same port
+            self.kill_head()
+            self.sids.pop(0)
+            self.procs.pop(0)
+            (Path(self.temp) / "ray_current_cluster").unlink(missing_ok=True)
+            self._start("head-retry", self._head_args, env=self.head_env)
+            self.sids.insert(0, self.sids.pop())
+            self.procs.insert(0, self.procs.pop())
+            self.address = self._head_address()
+
+    def kill_head(self) -> None:
+        """SIGKILL every process of the head node (GCS, raylet, agents): the head pod dies."""
+        head_sid = self.sids[0]
+        for p in session_pids(head_sid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while session_pids(head_sid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.procs[0].wait(timeout=5)
+
+    def restart_head(self) -> None:
+        """Start the head again on the same address (the restarted pod): with GCS fault tolerance the new
+        GCS loads the cluster's tables from Redis and the other nodes reconnect to it."""
+        (Path(self.temp) / "ray_current_cluster").unlink(missing_ok=True)
+        self._start("head-restarted", self._head_args, env=self.head_env)
+        self.procs.insert(0, self.procs.pop())  # procs[0] and sids[0] are the live head's
+        self.sids.insert(0, self.sids.pop())
         self.address = self._head_address()
 
     def _head_address(self, timeout: float = 180.0) -> str:
@@ -125,28 +174,39 @@ class RayStartCluster:
             time.sleep(0.5)
         raise AssertionError(f"ray start --head did not come up: {(Path(self.temp) / 'head.log').read_text()[-2000:]}")
 
-    def _start(self, name: str, args: list[str]) -> None:
+    def _start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
         log = open(Path(self.temp) / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
         p = subprocess.Popen([RAY, "start", "--block", "--disable-usage-stats", *args], stdout=log,
-                             stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+                             stderr=subprocess.STDOUT, env=env or self.env, start_new_session=True)
         self.procs.append(p)
         self.sids.append(p.pid)
 
     def add_node(self, name: str, num_cpus: int, params: dict[str, str] | None = None, *,
-                 timeout: float = 120.0) -> None:
+                 timeout: float = 180.0) -> None:
         """Start a node and wait until it has joined (one at a time: two raylets starting at once on one
         loaded machine made one of them time out during its start-up). A start that fails so is retried."""
         args = [f"--address={self.address}", f"--num-cpus={num_cpus}", f"--object-store-memory={200 * 1024 * 1024}",
                 *_flags(params or {})]
-        for attempt in range(2):
-            self._start(name if attempt == 0 else f"{name}-retry", args)
+        for attempt in range(3):  # a raylet whose agent starts over ~20 s late exits: try again
+            log_name = name if attempt == 0 else f"{name}-retry{attempt}"
+            self._start(log_name, args)
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline and self.procs[-1].poll() is None:
-                log = (Path(self.temp) / f"{name if attempt == 0 else name + '-retry'}.log").read_text(errors="replace")
-                if "Ray runtime started" in log:
+                if "Ray runtime started" in (Path(self.temp) / f"{log_name}.log").read_text(errors="replace"):
+                    self.node_sids[name] = self.sids[-1]
                     return
                 time.sleep(0.5)
-        raise AssertionError(f"ray start of node {name} failed twice; see {self.temp}/{name}*.log")
+        raise AssertionError(f"ray start of node {name} failed 3 times; see {self.temp}/{name}*.log")
+
+    def node_alive(self, name: str) -> bool:
+        """Whether the node's raylet still runs."""
+        return any("raylet" in cmdline(p).split(" ", 1)[0] for p in session_pids(self.node_sids[name]))
+
+    def kill_node(self, name: str) -> None:
+        """SIGKILL every process of a worker node that is left (a node lost for good)."""
+        for p in session_pids(self.node_sids.pop(name)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
 
     def wait_nodes(self, n: int, timeout: float = 180.0) -> None:
         """Until `n` nodes are alive (asked by one throwaway driver process)."""
@@ -167,13 +227,44 @@ class RayStartCluster:
                 p.wait(timeout=5)
 
 
+class PrivateRedis:
+    """A `redis-server` of our own (Debian's package) on a free loopback port, for GCS fault tolerance;
+    nothing persisted to disk, stopped by PID."""
+
+    def __init__(self, root: Path) -> None:
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        root.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(root), "--logfile", str(root / "redis.log")],
+            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"redis-server exited {self.proc.returncode}: {(root / 'redis.log').read_text()}")
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), timeout=1) as c:
+                c.sendall(b"PING\r\n")
+                if c.recv(16).startswith(b"+PONG"):
+                    return
+            time.sleep(0.1)
+        self.stop()
+        raise AssertionError("redis-server did not answer PING within 30 s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+
+
 class Serve:
     """`unbroken serve --address <cluster>` as a user runs it, with its own UNBROKEN_HOME."""
 
     def __init__(self, home: Path, *, address: str | None, env: dict[str, str],
-                 extra: tuple[str, ...] = ()) -> None:
+                 extra: tuple[str, ...] = (), port: int | None = None) -> None:
         self.home = home
-        self.port = free_port()
+        self.port = port or free_port()  # a restarted API may keep its address
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = {**env, "UNBROKEN_HOME": str(home)}
         args = [UNBROKEN, "serve", "--port", str(self.port), *extra]
@@ -181,7 +272,7 @@ class Serve:
             args += ["--address", address]
         self.log = home / "serve.log"
         home.mkdir(parents=True, exist_ok=True)
-        with open(self.log, "wb") as out:
+        with open(self.log, "ab") as out:  # a restart appends
             self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=self.env,
                                          start_new_session=True)
 

@@ -1,7 +1,11 @@
 """Fault injection inside a worker, from a job's `chaos` list (like torchft's fail_at(rank, step)).
 
 An event fires in the training loop of the worker that holds `rank` in `generation`, when that
-worker has completed `step` steps (step 0: before the first step), so it fires once:
+worker has completed `step` steps (step 0: before the first step), so it fires once. With
+`generation: null` it fires in whichever generation first reaches that rank and step, once per job
+(claimed in Ray's KV store before it acts, so a rank re-running that step after a recovery, in
+another process, does not fire it again): what a long soak with many faults needs, since it cannot
+know the generations in advance.
 
 - kill_worker: os._exit(1)                 - sigkill_worker: SIGKILL itself
 - hang_worker: SIGSTOP itself (the train loop and the heartbeat thread both stop; only missed
@@ -9,18 +13,27 @@ worker has completed `step` steps (step 0: before the first step), so it fires o
 - kill_node: SIGKILL this node's raylet (the worker's parent); refused on the head node
 - slow_worker: sleep `seconds` before every step from then on (a straggler)
 - raise_in_step: raise ChaosError inside the step
+- kill_keeper: kill the in-memory snapshot keeper of this worker's node (`keeper-<node>`); the
+  job trains on, its snapshots keep the copies on other nodes
+- kill_supervisor: kill the job's supervisor actor (`job-<id>/supervisor`); Ray restarts it
+  (fault_tolerance.supervisor_max_restarts) and it adopts the running workers
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-KINDS = ("kill_worker", "sigkill_worker", "hang_worker", "kill_node", "slow_worker", "raise_in_step")
+log = logging.getLogger("unbroken.chaos")
+
+KINDS = ("kill_worker", "sigkill_worker", "hang_worker", "kill_node", "slow_worker", "raise_in_step",
+         "kill_keeper", "kill_supervisor")
 
 
 class ChaosError(RuntimeError):
@@ -33,14 +46,41 @@ class Fault:
     step: int
     rank: int = 0
     seconds: float = 5.0
-    generation: int = 0
+    generation: int | None = 0  # None: any generation, once per job
+    index: int = 0  # its place in the job's chaos list (names its once-per-job claim)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Fault:
+    def from_dict(cls, d: dict[str, Any], index: int = 0) -> Fault:
         if d.get("kind") not in KINDS:
             raise ValueError(f"chaos kind {d.get('kind')!r} is not one of {KINDS}")
+        gen = d.get("generation", 0)
         return cls(str(d["kind"]), int(d["step"]), int(d.get("rank", 0)), float(d.get("seconds", 5.0)),
-                   int(d.get("generation", 0)))
+                   None if gen is None else int(gen), index)
+
+
+def claim_once(job_id: str, fault: Fault) -> bool:
+    """True for the first worker of the job to claim this fault (Ray's KV store: put-if-absent)."""
+    from ray.experimental.internal_kv import _internal_kv_put
+
+    key = f"chaos/{job_id}/{fault.index}"
+    return not _internal_kv_put(key, f"{fault.kind}@{fault.step}", overwrite=False, namespace="unbroken")
+
+
+def forget_claims(job_id: str) -> int:
+    """Drop a job's once-per-job claims (the soak's cleanup); how many there were."""
+    from ray.experimental.internal_kv import _internal_kv_del
+
+    return int(_internal_kv_del(f"chaos/{job_id}/", del_by_prefix=True, namespace="unbroken"))
+
+
+def _job_id() -> str:
+    """This worker's job, from its actor name `job-<id>/worker-<n>`."""
+    import ray
+
+    name = ray.get_runtime_context().get_actor_name() or ""
+    if not name.startswith("job-") or "/" not in name:
+        raise ChaosError(f"chaos: this process is not a job's worker actor (actor name {name!r})")
+    return name[len("job-"):].split("/", 1)[0]
 
 
 class Chaos:
@@ -52,18 +92,24 @@ class Chaos:
         *,
         is_head_node: Callable[[], bool],
         on_fire: Callable[[Fault], None] | None = None,
+        claim: Callable[[Fault], bool] | None = None,
     ) -> None:
-        self.faults = [f if isinstance(f, Fault) else Fault.from_dict(f) for f in faults]
+        self.faults = [f if isinstance(f, Fault) else Fault.from_dict(f, i) for i, f in enumerate(faults)]
         self._is_head_node = is_head_node
         self._on_fire = on_fire
+        self._claim = claim or (lambda f: claim_once(_job_id(), f))
         self._fired: set[Fault] = set()
         self.slow_s = 0.0
 
     def before_step(self, completed_steps: int, rank: int, generation: int) -> None:
         for f in self.faults:
-            if f in self._fired or (f.rank, f.step, f.generation) != (rank, completed_steps, generation):
+            if f in self._fired or (f.rank, f.step) != (rank, completed_steps):
+                continue
+            if f.generation is not None and f.generation != generation:
                 continue
             self._fired.add(f)
+            if f.generation is None and not self._claim(f):
+                continue  # another process of this job fired it already
             self._fire(f)
         if self.slow_s:
             time.sleep(self.slow_s)
@@ -71,6 +117,10 @@ class Chaos:
     def _fire(self, f: Fault) -> None:
         if f.kind == "slow_worker":
             self.slow_s = f.seconds
+        # A line in the job's logs (this process's output is the job's): the trace of a fault that no
+        # failure shows, such as a keeper killed, or one that acted while the supervisor was restarting.
+        log.warning("chaos: %s fires on rank %d before step %d", f.kind, f.rank, f.step + 1)
+        sys.stdout.flush()
         if self._on_fire is not None:
             self._on_fire(f)  # a note (log line, fault time) before the process may vanish
         if f.kind == "kill_worker":
@@ -86,3 +136,21 @@ class Chaos:
             time.sleep(60)  # this process is about to be reaped with its node
         elif f.kind == "raise_in_step":
             raise ChaosError(f"injected fault (chaos raise_in_step) at step {f.step} on rank {f.rank}")
+        elif f.kind in ("kill_keeper", "kill_supervisor"):
+            _kill_service_actor(f.kind)
+
+
+def _kill_service_actor(kind: str) -> None:
+    """kill_keeper: this node's keeper, for good (keepers are not restarted); kill_supervisor: the job's
+    supervisor, which Ray restarts. Both are killed as a crash would (no clean shutdown)."""
+    import ray
+
+    from checkpointing.keeper import current_node_name
+    from checkpointing.naming import NAMESPACE, keeper_name, supervisor_name
+
+    name = keeper_name(current_node_name()) if kind == "kill_keeper" else supervisor_name(_job_id())
+    try:
+        handle = ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        raise ChaosError(f"chaos {kind}: no actor {name!r} to kill") from None
+    ray.kill(handle, no_restart=kind == "kill_keeper")

@@ -56,7 +56,7 @@ from checkpointing.config import CheckpointConfig
 from checkpointing.dcp_storage import ObjectStoreReader, ObjectStoreWriter
 from checkpointing.manifest import MANIFEST_NAME, FileEntry, Manifest, step_dir
 from checkpointing.object_store import ChecksumMismatch, ObjectMissing, StorageError
-from checkpointing.state import HostStager, map_tensors
+from checkpointing.state import HostStager, map_tensors, ready_event
 from checkpointing.uri import open_store
 
 log = logging.getLogger("unbroken.checkpoint")
@@ -187,6 +187,7 @@ class CheckpointManager:
         self._hook_handles: list[Any] = []
         self.last_error: str | None = None
         self.skipped: list[tuple[int, str]] = []
+        self.copy_wait_s = 0.0  # total time optimizer steps waited for host copies (training-thread time)
 
     # ---------------------------------------------------------------- saving
     def save_async(
@@ -222,7 +223,8 @@ class CheckpointManager:
         else:
             self._hook(optimizer)
             skeleton = map_tensors(state, lambda _path, t: t)  # Python leaves copied now, tensors later
-            task = (self._stage_then_save, skeleton, staged_evt)
+            # CUDA: the upload thread's copies wait for this point of the training stream, not later work.
+            task = (self._stage_then_save, skeleton, staged_evt, ready_event())
         blocking = time.perf_counter() - t0
         handle = SaveHandle(step, staged_evt, blocking)
         self._pending = handle
@@ -239,19 +241,22 @@ class CheckpointManager:
         if handle is not None and not handle.staged.is_set():
             t0 = time.perf_counter()
             handle.staged.wait()
-            handle.blocking_s += time.perf_counter() - t0
+            waited = time.perf_counter() - t0
+            handle.blocking_s += waited
+            self.copy_wait_s += waited
 
     def _stage_then_save(
         self,
         skeleton: dict[str, Any],
         staged_evt: threading.Event,
+        ready: Any,
         step: int,
         generation: int,
         layout: dict[str, Any],
         blocking: float,
     ) -> SaveResult:
         try:
-            staged = self._stager.stage(skeleton)
+            staged = self._stager.stage(skeleton, ready)
         except Exception as e:  # noqa: BLE001 - reported in the result, like any failed save
             res = SaveResult(step, generation, ok=False, error=f"staging failed: {type(e).__name__}: {e}")
             self.last_error = res.error

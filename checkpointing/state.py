@@ -111,26 +111,54 @@ class HostStager:
         return buf
 
     @torch.no_grad()
-    def stage(self, state: dict[str, Any]) -> dict[str, Any]:
+    def stage(self, state: dict[str, Any], ready: Any = None) -> dict[str, Any]:
         """Copy every tensor of `state` into the host buffers; returns the staged structure.
 
-        On CUDA the copies run on a side stream that first waits for the default stream (so they
-        see the last optimizer step), and stage() returns once they are complete. It may run on
-        a thread other than the training thread.
+        On CUDA the copies run on a side stream that first waits for `ready` (a torch.cuda.Event the
+        training thread recorded after the optimizer step: `ready_event()`), or, without one, for the
+        current stream; stage() returns once they are complete. With `ready` it may run on a thread
+        other than the training thread while that thread goes on queueing work.
         """
         self._had_cuda = False
-        if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        device = _cuda_device(state)
+        if device is None:
             return map_tensors(state, self._copy)
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
-        self._stream.wait_stream(torch.cuda.default_stream())
-        with torch.cuda.stream(self._stream):
-            staged = map_tensors(state, self._copy)
-        self._stream.synchronize()
+        with torch.cuda.device(device):  # another thread's current device may not be the state's
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(device)
+            if ready is not None:
+                self._stream.wait_event(ready)
+            else:
+                self._stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(self._stream):
+                staged = map_tensors(state, self._copy)
+            self._stream.synchronize()
         return staged
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._bufs.values())
+
+
+def ready_event() -> Any:
+    """On CUDA, an event on the current stream (record it after the optimizer step: copies that wait
+    for it see that step); None without CUDA."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return None
+    return torch.cuda.current_stream().record_event()
+
+
+def _cuda_device(state: Any) -> torch.device | None:
+    """The CUDA device of the first CUDA tensor in `state`, or None if it has none."""
+    found: list[torch.device] = []
+
+    def look(_path: tuple[str, ...], t: torch.Tensor) -> None:
+        local = t._local_tensor if isinstance(t, DTensor) else t
+        if not found and local.device.type == "cuda":
+            found.append(local.device)
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        map_tensors(state, look)
+    return found[0] if found else None
 
 
 def gather_full(state: Any) -> Any:

@@ -1,0 +1,377 @@
+"""Goodput under a seeded failure schedule: one 300-step job, run by Unbroken, Ray Train and TorchFT.
+
+Same model (our Llama, dim 64 x 2 layers, byte vocab), same data order (our loader: each of 4 data
+shards per step), same machine and a private 2-node LocalCluster (head + "b", 1 CPU each; 4 ranks of
+0.5 CPU). Each framework runs the job fault-free, then with faults fired from outside, at times drawn
+from one seeded schedule (exponential gaps, mean MEAN_GAP_S, counted from the run's first step):
+
+  kill_worker     SIGTERM to the rank's process        sigkill_worker  SIGKILL to it
+  hang_worker     SIGSTOP to it (only a heartbeat timeout can tell)
+  kill_node       node b lost: for the Ray runs its raylet and every process on it (LocalCluster.kill_node);
+                  for TorchFT (plain processes, no Ray) a SIMULATION: SIGKILL of the replicas placed on b.
+                  The node's capacity returns NODE_BACK_S later.
+
+- unbroken: a job through the supervisor (launch_supervisor), in-memory snapshots every step, no
+  spares; dp shrinks on a loss and grows back when capacity returns.
+- raytrain: Ray Train V2 TorchTrainer, 4 workers, gloo, a DCP checkpoint reported every step,
+  FailureConfig(max_failures=-1): every failure restarts the group from the last checkpoint.
+- torchft: torchft 0.2.0 (the `bench` extra): its Rust lighthouse (100 ms quorum tick), 4 replica
+  groups of one process each, gradients averaged over its gloo process group by the Manager, each
+  replica healing from a live peer. Its gloo timeout is its best: the shortest of TORCHFT_TIMEOUTS
+  whose fault-free run commits every step (no spurious failures). The restarter (torchelastic's
+  role) restarts an exited replica at once and SIGKILLs one whose heartbeat file is HB_TIMEOUT_S stale.
+  Its dead replicas' data shards are dropped for the steps they miss (its design), so its loss differs.
+
+Per framework: ETTR = fault-free wall / faulty wall (first to last completed step), steps lost
+(ours: replayed steps; Ray Train: steps re-run after restarts; TorchFT: step attempts not committed),
+time lost per failure = (faulty wall - fault-free wall) / faults fired, final loss vs fault-free.
+Run: .venv/bin/python -m tests.benchmarks.goodput_bench [--seed N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import signal
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+STEPS = 300
+MEAN_GAP_S = 20.0
+KINDS = ("kill_worker", "sigkill_worker", "hang_worker", "kill_node")
+NODE_BACK_S = 10.0  # a lost node's capacity returns after this
+HB_TIMEOUT_S = 6.0  # missed heartbeats that mean a hang (ours and TorchFT's restarter alike)
+COLLECTIVE_TIMEOUT_S = 10.0  # ours and Ray Train's gloo timeout
+TORCHFT_TIMEOUTS = (1.0, 2.0, 5.0)
+MODEL = {"dim": 64, "n_layers": 2, "n_heads": 4, "vocab_size": 256, "max_seq_len": 64}
+TRAINING = {"steps": STEPS, "seq_len": 32, "global_batch_size": 8, "warmup_steps": 5}
+WORLD = 4
+
+
+@dataclass
+class Fault:
+    at_s: float  # after the run's first completed step
+    kind: str
+    rank: int
+
+
+def schedule(seed: int, horizon_s: float = 1800.0) -> list[Fault]:
+    rng = random.Random(seed)
+    out, t, kinds = [], 0.0, []
+    while True:
+        t += rng.expovariate(1.0 / MEAN_GAP_S)
+        if t > horizon_s:
+            return out
+        if not kinds:  # every kind once per four faults, in a random order: a mix at any length
+            kinds = rng.sample(KINDS, len(KINDS))
+        out.append(Fault(round(t, 2), kinds.pop(), rng.randrange(WORLD)))
+
+
+@dataclass
+class Outcome:
+    wall_s: float
+    steps: list[tuple[int, float, float]]  # (step, time, loss) of each step counted once
+    lost_steps: int
+    fired: list[str] = field(default_factory=list)
+
+    @property
+    def final_loss(self) -> float:
+        return self.steps[-1][2]
+
+
+class Injector:
+    """Fires the schedule at one run: `pids()` -> {rank: pid} of its live ranks; `kill_node()` / `node_back()`."""
+
+    def __init__(self, faults: list[Fault], pids: Any, kill_node: Any, node_back: Any, first_step: Any) -> None:
+        self.faults, self.pids, self.kill_node, self.node_back = faults, pids, kill_node, node_back
+        self.first_step = first_step  # () -> time of the first completed step, or None
+        self.fired: list[str] = []
+        self.stopped: list[int] = []  # SIGSTOPped pids (SIGKILLed at the end if still there)
+        self.node_back_at: float | None = None  # node_back() runs on the main thread (tick): Ray's add_node
+        # installs signal handlers, which only the main thread may do
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (t0 := self.first_step()) is None:
+            if self._stop.wait(0.2):
+                return
+        node_down_until = 0.0
+        for f in self.faults:
+            if self._stop.wait(max(0.0, t0 + f.at_s - time.time())):
+                return
+            if f.kind == "kill_node":
+                if time.time() < node_down_until:
+                    continue  # node b is already down: nothing to lose
+                self.kill_node()
+                node_down_until = time.time() + NODE_BACK_S
+                self.node_back_at = time.time() + NODE_BACK_S
+                self.fired.append(f"{f.at_s:.0f}s kill_node")
+                continue
+            live = self.pids()
+            if not live:
+                continue
+            rank = f.rank if f.rank in live else sorted(live)[f.rank % len(live)]
+            pid = live[rank]
+            sig = {"kill_worker": signal.SIGTERM, "sigkill_worker": signal.SIGKILL, "hang_worker": signal.SIGSTOP}
+            try:
+                os.kill(pid, sig[f.kind])
+            except ProcessLookupError:
+                continue
+            if f.kind == "hang_worker":
+                self.stopped.append(pid)
+            self.fired.append(f"{f.at_s:.0f}s {f.kind} rank {rank}")
+
+    def tick(self) -> None:
+        """On the main thread, often: bring a lost node back when its time has come."""
+        if self.node_back_at is not None and time.time() >= self.node_back_at:
+            self.node_back_at = None
+            self.node_back()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        for pid in self.stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _wall(steps: list[tuple[int, float, float]]) -> float:
+    return steps[-1][1] - steps[0][1]
+
+
+# ---------------------------------------------------------------------------- unbroken
+def _ours_spec(out: Path) -> Any:
+    from service.spec import parse_spec
+
+    return parse_spec({
+        "name": "goodput", "model": MODEL, "training": {**TRAINING, "output_dir": str(out)},
+        "parallelism": {"dp_shard": WORLD},
+        "resources": {"cpus_per_worker": 0.5, "dp": {"min": 1, "max": WORLD}},
+        "checkpoint": {"persist_every": 0, "in_memory_every": 1},
+        "fault_tolerance": {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": HB_TIMEOUT_S,
+                            "collective_timeout_s": COLLECTIVE_TIMEOUT_S, "wait_for_capacity_s": 60,
+                            "max_recoveries": 100},
+    })  # fmt: skip
+
+
+def run_ours(tmp: Path, cluster: Any, faults: list[Fault]) -> Outcome:
+    import ray
+
+    from checkpointing.naming import NAMESPACE
+    from tests.runtime.jobs import JobRun
+
+    run = JobRun(_ours_spec(tmp))
+    metrics = tmp / "metrics.jsonl"
+
+    def first_step() -> float | None:
+        if not metrics.exists() or not metrics.read_text().strip():
+            return None
+        return float(json.loads(metrics.read_text().splitlines()[0])["end_time"])
+
+    def pids() -> dict[int, int]:
+        out: dict[int, int] = {}
+        prefix = f"job-{run.job_id}/worker-"
+        for a in ray.util.list_named_actors(all_namespaces=True):
+            if a["name"].startswith(prefix):
+                try:
+                    info = ray.get(ray.get_actor(a["name"], namespace=NAMESPACE).info.remote(), timeout=2)
+                except Exception:  # noqa: BLE001 - dead or hung: not a target
+                    continue
+                if info["phase"] == "training" and info["rank"] >= 0:
+                    out[int(info["rank"])] = int(info["pid"])
+        return out
+
+    inj = Injector(faults, pids, lambda: _kill_node_b(cluster), lambda: _node_b_back(cluster),
+                   first_step) if faults else None
+    deadline = time.monotonic() + 1800
+    try:
+        while True:
+            if inj is not None:
+                inj.tick()
+            try:
+                st = run.wait(timeout_s=1.0)
+                break
+            except TimeoutError:
+                if time.monotonic() > deadline:
+                    raise
+    finally:
+        if inj is not None:
+            inj.stop()
+        run.finish()
+        _ensure_node_b(cluster)
+    if st["state"] != "SUCCEEDED":
+        tb = next((e["data"].get("traceback") or "" for e in run.events if e["kind"] == "failed"), "")
+        raise RuntimeError(f"unbroken job ended {st['state']}: {st.get('reason')}; events "
+                           f"{[e['kind'] for e in run.events]}; supervisor traceback: {tb[-1500:]}")
+    rows = run.rows()
+    steps = [(int(r["step"]), float(r["end_time"]), float(r["loss"])) for r in rows]
+    lost = sum(int(e["data"].get("lost_steps") or 0) for e in run.of("recovered"))
+    _ensure_node_b(cluster)
+    return Outcome(_wall(steps), steps, lost, inj.fired if inj else [])
+
+
+def _kill_node_b(cluster: Any) -> None:
+    if "b" in cluster.nodes:
+        cluster.kill_node("b")
+
+
+def _node_b_back(cluster: Any) -> None:
+    if "b" not in cluster.nodes:
+        cluster.add_node("b", num_cpus=1)
+
+
+def _ensure_node_b(cluster: Any) -> None:
+    """Node b back before the next run (a kill_node near the end may have left it down)."""
+    deadline = time.time() + NODE_BACK_S + 5
+    while "b" not in cluster.nodes and time.time() < deadline:
+        time.sleep(0.5)
+    if "b" not in cluster.nodes:
+        cluster.add_node("b", num_cpus=1)
+
+
+# ---------------------------------------------------------------------------- Ray Train
+def run_raytrain(tmp: Path, cluster: Any, faults: list[Fault]) -> Outcome:
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from tests.benchmarks.recovery_bench import _ray_train_loop
+    from tests.runtime.jobs import engine_of
+
+    tmp.mkdir(parents=True)
+    engine = json.loads(engine_of(_ours_spec(tmp / "out")).model_dump_json())
+    log, pid_dir = tmp / "steps.jsonl", tmp / "pids"
+    pid_dir.mkdir()
+    (tmp / "ckpt").mkdir()
+
+    def first_step() -> float | None:
+        return float(json.loads(log.read_text().splitlines()[0])["time"]) if log.exists() else None
+
+    def pids() -> dict[int, int]:
+        out = {}
+        for f in pid_dir.iterdir():
+            pid = int(f.read_text())
+            try:
+                os.kill(pid, 0)
+                out[int(f.name)] = pid
+            except (ProcessLookupError, PermissionError):
+                pass
+        return out
+
+    inj = Injector(faults, pids, lambda: _kill_node_b(cluster), lambda: _node_b_back(cluster),
+                   first_step) if faults else None
+    trainer = TorchTrainer(
+        _ray_train_loop,
+        train_loop_config={"engine": engine, "log": str(log), "ckpt_root": str(tmp / "ckpt"),
+                           "pid_dir": str(pid_dir)},
+        torch_config=TorchConfig(backend="gloo", timeout_s=int(COLLECTIVE_TIMEOUT_S)),
+        scaling_config=ScalingConfig(num_workers=WORLD, resources_per_worker={"CPU": 0.5}),
+        run_config=RunConfig(name=f"goodput-{tmp.name}", storage_path=str(tmp / "storage"),
+                             failure_config=FailureConfig(max_failures=-1),
+                             checkpoint_config=CheckpointConfig(num_to_keep=2)),
+    )
+    errors: list[BaseException] = []
+
+    def fit() -> None:
+        try:
+            trainer.fit()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the main thread
+            errors.append(e)
+
+    fitting = threading.Thread(target=fit, daemon=True)
+    fitting.start()
+    try:
+        while fitting.is_alive():  # the main thread brings lost nodes back
+            if inj is not None:
+                inj.tick()
+            fitting.join(0.5)
+        if errors:
+            raise errors[0]
+    finally:
+        if inj is not None:
+            inj.stop()
+        _ensure_node_b(cluster)
+    entries = [json.loads(x) for x in log.read_text().splitlines()]
+    seen: dict[int, tuple[int, float, float]] = {}
+    for e in entries:  # a step re-run after a restart: its last run counts, the earlier ones were lost
+        seen[int(e["step"])] = (int(e["step"]), float(e["time"]), float(e["loss"]))
+    steps = [seen[s] for s in sorted(seen)]
+    _ensure_node_b(cluster)
+    return Outcome(steps[-1][1] - entries[0]["time"], steps, len(entries) - len(seen), inj.fired if inj else [])
+
+
+# ---------------------------------------------------------------------------- TorchFT
+from tests.benchmarks._torchft_runner import run_torchft  # noqa: E402
+
+
+# ---------------------------------------------------------------------------- report
+def _set_steps(steps: int) -> None:
+    global STEPS
+    STEPS = steps
+    TRAINING["steps"] = steps
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seed", type=int, default=2026)
+    ap.add_argument("--only", nargs="*", default=["unbroken", "raytrain", "torchft"])
+    ap.add_argument("--steps", type=int, default=STEPS, help=f"job length (the benchmark's is {STEPS})")
+    args = ap.parse_args([] if argv is None else argv)
+    _set_steps(args.steps)
+    from service.local_cluster import LocalCluster
+
+    faults = schedule(args.seed)
+    print(f"load average {os.getloadavg()[0]:.1f} at start")
+    print(f"{STEPS} steps, 4 ranks on a 2-node LocalCluster ({os.cpu_count()} cores); faults (seed {args.seed}, "
+          f"mean gap {MEAN_GAP_S:.0f}s): " + ", ".join(f"{f.at_s:.0f}s {f.kind}@{f.rank}" for f in faults[:8]) + " ...")
+    res: dict[str, tuple[Outcome, Outcome, str]] = {}
+    with tempfile.TemporaryDirectory(prefix="goodput_bench_") as d, \
+            LocalCluster(head_cpus=1, object_store_mb=300) as cluster:  # fmt: skip
+        tmp = Path(d)
+        cluster.add_node("b", num_cpus=1)
+        cluster.connect()
+        runners = {"unbroken": lambda p, f: (run_ours(p, cluster, f), ""),
+                   "raytrain": lambda p, f: (run_raytrain(p, cluster, f), ""),
+                   "torchft": lambda p, f: run_torchft(p, f, TORCHFT_TIMEOUTS)}
+        for name in args.only:
+            try:
+                free, note = runners[name](tmp / f"{name}-free", [])
+                faulty, _ = runners[name](tmp / f"{name}-faulty", faults)
+                res[name] = (free, faulty, note)
+                print(f"  {name}: fault-free {free.wall_s:.1f}s, faulty {faulty.wall_s:.1f}s; fired: "
+                      f"{'; '.join(faulty.fired)}", flush=True)
+            except Exception as e:  # noqa: BLE001 - still print the others
+                print(f"  {name} failed: {type(e).__name__}: {str(e)[:2500]}", flush=True)
+    print(f"load average {os.getloadavg()[0]:.1f} at the end")
+    print(f"{'':<10}{'ETTR':>6}{'faults':>8}{'steps lost':>12}{'s lost/fault':>14}{'final loss':>12}"
+          f"{'fault-free':>12}{'wall s':>9}{'free s':>8}  note")
+    ettr: dict[str, str] = {}
+    for name, (free, faulty, note) in res.items():
+        n = max(1, len(faulty.fired))
+        e = free.wall_s / faulty.wall_s
+        ettr[name] = f"{e:.2f}"
+        print(f"{name:<10}{e:>6.2f}{len(faulty.fired):>8}{faulty.lost_steps:>12}"
+              f"{(faulty.wall_s - free.wall_s) / n:>14.2f}{faulty.final_loss:>12.4f}{free.final_loss:>12.4f}"
+              f"{faulty.wall_s:>9.1f}{free.wall_s:>8.1f}  {note}")
+    print(f"goodput: unbroken {ettr.get('unbroken', 'n/a')}, unbroken+spare n/a, "
+          f"torchft {ettr.get('torchft', 'n/a')}, raytrain {ettr.get('raytrain', 'n/a')}")
+
+
+if __name__ == "__main__":
+    import sys
+
+    # One instance of this module (the TorchFT runner imports it by name and reads STEPS/TRAINING).
+    from tests.benchmarks import goodput_bench
+
+    goodput_bench.main(sys.argv[1:])

@@ -1,0 +1,126 @@
+"""Snapshot cost where users live: a job through the supervisor, `in_memory_every: 1` against `0`.
+
+The same spec (2 workers, FSDP, one on each node of a private 2-node LocalCluster, keepers on both:
+every shard is copied to its own node's keeper and the other node's) run as separate jobs through
+`launch_supervisor`, alternating none/snap/snap/none... so load from other work on a shared machine
+falls on both. Per preset (debug, small):
+
+- tokens/s by wall clock over each job's steady steps (from the rows' `end_time`: what happens between
+  steps, the snapshot hand-over included, counts; the engine's own tokens_per_s would not see it);
+  the ratio snap/none is the median over adjacent pairs. Goal >= 0.97.
+- the training thread's blocking time per step for the checkpoint tiers (`ckpt_block_s` in each
+  metrics row: the optimizer step's wait for a copy still in flight, plus the hand-over after the step).
+- optionally (`--persist N`) a third arm with a persistent checkpoint every N steps as well (file://).
+
+Run: .venv/bin/python -m tests.benchmarks.snapshot_job_bench [--presets debug small] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+STEPS = {"debug": 60, "small": 30}
+WARM = {"debug": 10, "small": 6}  # steps left out of the steady window (start-up, first snapshots)
+
+
+def _spec(out: Path, preset: str, ckpt: dict[str, Any]) -> Any:
+    from service.spec import parse_spec
+
+    return parse_spec({
+        "name": f"snapjob-{preset}", "model": {"preset": preset},
+        "training": {"steps": STEPS[preset], "seq_len": 128, "global_batch_size": 8, "warmup_steps": 2,
+                     "output_dir": str(out)},
+        "parallelism": {"dp_shard": 2},
+        "resources": {"cpus_per_worker": 1, "dp": {"min": 2, "max": 2}},
+        "checkpoint": {"persist_every": 0, **ckpt},
+        "fault_tolerance": {"heartbeat_interval_s": 1.0, "heartbeat_timeout_s": 60, "collective_timeout_s": 60},
+    })  # fmt: skip
+
+
+def _job(out: Path, preset: str, ckpt: dict[str, Any]) -> dict[str, Any]:
+    """One job to the end; its steady wall-clock tokens/s and blocking times."""
+    from tests.runtime.jobs import JobRun
+
+    run = JobRun(_spec(out, preset, ckpt), job_id=f"sjb-{uuid.uuid4().hex[:6]}")
+    try:
+        st = run.wait(timeout_s=900)
+    finally:
+        run.finish()
+    if st["state"] != "SUCCEEDED":
+        raise RuntimeError(f"job {run.job_id} ({preset}, {ckpt}) ended {st['state']}: {run.events[-3:]}")
+    rows = run.rows()[WARM[preset]:]
+    wall = rows[-1]["end_time"] - rows[0]["end_time"]
+    tokens = sum(r["tokens"] for r in rows[1:])
+    blocks = [r["ckpt_block_s"] for r in rows]
+    steps = [r["step_time_s"] for r in rows]
+    return {"tps": tokens / wall, "block_med": statistics.median(blocks), "block_max": max(blocks),
+            "block_mean": statistics.fmean(blocks), "step_med": statistics.median(steps)}
+
+
+def bench_preset(tmp: Path, preset: str, rounds: int, persist: int) -> dict[str, Any]:
+    arms: dict[str, dict[str, Any]] = {"none": {"in_memory_every": 0}, "snap": {"in_memory_every": 1}}
+    if persist:
+        arms["snap+persist"] = {"in_memory_every": 1, "persist_every": persist}
+    names = list(arms)
+    res: dict[str, list[dict[str, Any]]] = {a: [] for a in names}
+    for i in range(rounds):
+        order = names if i % 2 == 0 else names[::-1]  # none/snap, then snap/none: pairs are adjacent
+        for arm in order:
+            r = _job(tmp / f"{preset}-{arm}-{i}", preset, arms[arm])
+            res[arm].append(r)
+            print(f"  {preset} round {i} {arm:<13} {r['tps']:>9,.0f} tok/s  step {r['step_med'] * 1e3:6.1f} ms  "
+                  f"block med {r['block_med'] * 1e3:6.2f} ms max {r['block_max'] * 1e3:6.2f} ms", flush=True)
+    out: dict[str, Any] = {"res": res}
+    for arm in names[1:]:
+        out[arm] = statistics.median(s["tps"] / n["tps"] for s, n in zip(res[arm], res["none"], strict=True))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--presets", nargs="+", default=["debug", "small"], choices=sorted(STEPS))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--persist", type=int, default=0, help="also a third arm persisting every N steps")
+    args = ap.parse_args([] if argv is None else argv)
+    from service.local_cluster import LocalCluster
+
+    print(f"2 workers (1 CPU each), FSDP 2, one per node of a 2-node LocalCluster on {os.cpu_count()} cores; "
+          f"jobs through the supervisor, alternating; {args.rounds} rounds per preset")
+    results: dict[str, dict[str, Any]] = {}
+    t0, load0 = time.perf_counter(), os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="snapshot_job_bench_") as d, \
+            LocalCluster(head_cpus=1, object_store_mb=512) as cluster:  # fmt: skip
+        cluster.add_node("b", num_cpus=1)
+        cluster.connect()
+        for preset in args.presets:
+            results[preset] = bench_preset(Path(d), preset, args.rounds, args.persist)
+    print(f"\n({time.perf_counter() - t0:.0f}s; load average {os.getloadavg()[0]:.1f} at the end, "
+          f"{load0:.1f} at the start: other work on this machine shares its {os.cpu_count()} cores)")
+    print(f"{'preset':<8}{'arm':<14}{'tok/s (median)':>16}{'ratio vs none':>15}{'block/step med':>16}"
+          f"{'mean':>10}{'max':>10}")
+    for preset, out in results.items():
+        for arm, runs in out["res"].items():
+            tps = statistics.median(r["tps"] for r in runs)
+            ratio = "" if arm == "none" else f"{out[arm]:.3f}"
+            print(f"{preset:<8}{arm:<14}{tps:>16,.0f}{ratio:>15}"
+                  f"{statistics.median(r['block_med'] for r in runs) * 1e3:>13.2f} ms"
+                  f"{statistics.median(r['block_mean'] for r in runs) * 1e3:>7.2f} ms"
+                  f"{max(r['block_max'] for r in runs) * 1e3:>7.1f} ms")
+    print("snapshot every step through the supervisor, tokens/s over none: "
+          + ", ".join(f"{p} {o['snap']:.3f}" for p, o in results.items()) + " (goal >= 0.97)")
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1:])

@@ -224,7 +224,7 @@ def create_app(
         description="Elastic, fault-tolerant LLM training jobs on Ray. Authenticate with `Authorization: Bearer`.",
     )
     state = AppState(store=store, scheduler=scheduler, max_body_bytes=max_body_bytes, cluster_total=cluster_total)
-    state.extra["metrics"] = ApiMetrics(store)
+    state.extra["metrics"] = ApiMetrics(store, scheduler)
     state.extra["auth_limiter"] = auth_limiter or FailedAuthLimiter()
     app.state.unbroken = state
     app.include_router(jobs.router)

@@ -328,9 +328,10 @@ class Client:
     # ---- admins: tokens and the audit log (plain dicts, as the API answers) -----------------------
 
     def create_token(self, principal: str, *, role: str = "user", label: str | None = None,
-                     expires_in_s: float | None = None) -> dict[str, Any]:
-        """A new token for `principal`; its text is in ["token"], shown this once."""
-        body = {"principal": principal, "role": role, "label": label, "expires_in_s": expires_in_s}
+                     expires_in_s: float | None = None, weight: float | None = None) -> dict[str, Any]:
+        """A new token for `principal`; its text is in ["token"], shown this once. `weight`: the owner's
+        fair share of spare capacity (default 1; an owner's weight is the largest of its tokens')."""
+        body = {"principal": principal, "role": role, "label": label, "expires_in_s": expires_in_s, "weight": weight}
         return self._request("POST", "/v1/tokens", json={k: v for k, v in body.items() if v is not None}).json()
 
     def tokens(self, *, principal: str | None = None, include_revoked: bool = False) -> list[dict[str, Any]]:

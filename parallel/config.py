@@ -96,9 +96,9 @@ class ModelConfig(_Strict):
     n_heads: int = Field(4, ge=1)
     n_kv_heads: int | None = Field(None, ge=1, description="default: n_heads (no grouping)")
     hidden_dim: int | None = Field(None, ge=1, description="MLP width; default: Llama's 8/3·dim rounding")
-    ffn_dim_multiplier: float | None = Field(None, gt=0)
+    ffn_dim_multiplier: float | None = Field(None, gt=0, le=64, description="MLP width x this (Llama 3: 1.3)")
     multiple_of: int = Field(16, ge=1)
-    norm_eps: float = Field(1e-5, gt=0)
+    norm_eps: float = Field(1e-5, gt=0, le=1)
     rope_theta: float = Field(10000.0, gt=0)
     max_seq_len: int = Field(4096, ge=1)
     tie_embeddings: bool = False

@@ -60,6 +60,9 @@ class FaultTolerance(_Strict):
     straggler_factor: float = Field(3.0, gt=1, description="step time over k x the median is a straggler")
     straggler_action: Literal["warn", "replace"] = "warn"
     supervisor_max_restarts: int = Field(3, ge=0)
+    restart_from_scratch: bool = Field(False, description="after training progressed, a failure with no "
+                                       "snapshot and no persistent checkpoint to restore restarts from step 0 "
+                                       "(an event says so) instead of failing the job")
 
     @model_validator(mode="after")
     def _check(self) -> FaultTolerance:
@@ -68,7 +71,8 @@ class FaultTolerance(_Strict):
         return self
 
 
-ChaosKind = Literal["kill_worker", "sigkill_worker", "hang_worker", "kill_node", "slow_worker", "raise_in_step"]
+ChaosKind = Literal["kill_worker", "sigkill_worker", "hang_worker", "kill_node", "slow_worker", "raise_in_step",
+                    "kill_keeper", "kill_supervisor"]
 
 
 class ChaosEvent(_Strict):
@@ -78,7 +82,8 @@ class ChaosEvent(_Strict):
     step: int = Field(ge=0)
     rank: int = Field(0, ge=0)
     seconds: float = Field(5.0, ge=0, description="slow_worker: delay per step; hang_worker: ignored")
-    generation: int = Field(0, ge=0, description="fire only in this generation, so it fires once")
+    generation: int | None = Field(0, ge=0, description="fire only in this generation, so it fires once; null: "
+                                   "in whichever generation first reaches the rank and step, once per job")
 
 
 # A fault that stops its worker (or hangs it): nothing later at the same rank, step and generation fires.

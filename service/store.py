@@ -84,6 +84,7 @@ class JobRecord:
     recoveries: int
     progress: dict[str, Any] | None
     seq: int = field(repr=False, default=0)
+    target_dp: int | None = None  # the dp the scheduler asked the job to run at (None: not decided)
 
     @property
     def terminal(self) -> bool:
@@ -277,6 +278,7 @@ def _job_record(row: Any) -> JobRecord:
         recoveries=row.recoveries,
         progress=row.progress,
         seq=row.seq,
+        target_dp=getattr(row, "target_dp", None),
     )
 
 
@@ -640,6 +642,22 @@ class JobStore:
                                                   message="admitted by the scheduler", data=None))
             return bool(res.rowcount)
 
+    @_retried("write_retry_s")
+    def set_target_dp(self, job_id: str, dp: int) -> None:
+        """The dp the scheduler asked an admitted job to run at (what `list` shows beside its dp now)."""
+        with self.engine.begin() as conn:
+            conn.execute(update(Job).where(Job.id == job_id).values(target_dp=int(dp)))
+
+    def owner_weights(self) -> dict[str, float]:
+        """Fair-share weight by owner: the largest weight among the owner's valid tokens (default 1)."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                select(Token.principal, func.max(Token.weight)).where(
+                    Token.revoked_at.is_(None), or_(Token.expires_at.is_(None), Token.expires_at > time.time()))
+                .group_by(Token.principal)
+            ).all()
+        return {str(p): float(w) for p, w in rows if w is not None}
+
     def count_by_status(self) -> dict[str, int]:
         with self.engine.connect() as conn:
             rows = conn.execute(select(Job.status, func.count()).group_by(Job.status)).all()
@@ -656,15 +674,19 @@ class JobStore:
     # ---- tokens ------------------------------------------------------------------------------
 
     def create_token(self, principal: str, role: str = "user", label: str | None = None, *,
-                     expires_in_s: float | None = None, created_by: str | None = None) -> str:
+                     expires_in_s: float | None = None, created_by: str | None = None, weight: float = 1.0) -> str:
         """Make a new token for `principal`; returns the token text (only its hash is stored)."""
-        return self.issue_token(principal, role, label, expires_in_s=expires_in_s, created_by=created_by)[1]
+        return self.issue_token(principal, role, label, expires_in_s=expires_in_s, created_by=created_by,
+                                weight=weight)[1]
 
     @_retried("api_write_retry_s")
     def issue_token(self, principal: str, role: str = "user", label: str | None = None, *,
-                    expires_in_s: float | None = None, created_by: str | None = None) -> tuple[TokenRecord, str]:
+                    expires_in_s: float | None = None, created_by: str | None = None,
+                    weight: float = 1.0) -> tuple[TokenRecord, str]:
         """A new token for `principal` valid for `expires_in_s` seconds (None: until revoked);
-        returns (its record, its text). The text is shown once: only its hash is stored."""
+        returns (its record, its text). The text is shown once: only its hash is stored. `weight`: the
+        owner's fair share of spare capacity (auth.check_weight)."""
+        auth.check_weight(weight)
         if role not in auth.ROLES:
             raise ValueError(f"role {role!r} must be one of {auth.ROLES}")
         if not principal or len(principal) > 128:
@@ -679,6 +701,7 @@ class JobStore:
                 token_hash=auth.hash_token(token), principal=principal, role=role,
                 label=None if label is None else label[:128], created_at=now,
                 expires_at=None if expires_in_s is None else now + expires_in_s, created_by=created_by,
+                weight=float(weight),
             ))
             token_id = int(res.inserted_primary_key[0])
         rec = self.get_token(token_id)
@@ -761,10 +784,11 @@ class TokenRecord:
     expires_at: float | None
     revoked_at: float | None
     created_by: str | None
+    weight: float = 1.0
 
 
 _TOKEN_COLS = [Token.id, Token.principal, Token.role, Token.label, Token.created_at, Token.expires_at,
-               Token.revoked_at, Token.created_by]
+               Token.revoked_at, Token.created_by, Token.weight]
 
 
 @dataclass(frozen=True)

@@ -8,14 +8,25 @@ unblock a collective; closing the sockets does).
 
 The collective timeout follows the job: a floor (fault_tolerance.collective_timeout_s), raised
 to a multiple of the slowest step seen, so a slow but healthy job is not cut off.
+
+On CUDA (NCCL; written against torch 2.11+) closing sockets is not enough: a rank blocked on a dead
+peer waits in a GPU kernel. Each group is formed with TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (clean up
+only: on an error or timeout the watchdog aborts the communicators and the waiting rank gets an
+exception; the process lives, unlike the default 3, which tears it down). Leaving after a failure
+aborts every communicator first (`ncclCommAbort`: pending kernels end, nothing waits on a dead
+peer) and only then destroys the group; a clean exit just destroys it. `abort_if_stuck` lets the
+supervisor's abort reach a rank still blocked in a collective after a short grace.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,8 +34,15 @@ import torch.distributed as dist
 
 from parallel import dist as pdist
 
+log = logging.getLogger("unbroken.group")
+
 # A step may take this many times the slowest step seen before its collectives time out.
 TIMEOUT_STEP_FACTOR = 20.0
+
+# NCCL error handling: 2 = CleanUpOnly (abort the communicators, raise in the waiting thread, keep the
+# process). Read when a ProcessGroupNCCL is built, so it is set before every join; a value the user
+# set explicitly is kept.
+NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
 
 
 def collective_timeout_s(floor_s: float, max_step_time_s: float | None) -> float:
@@ -64,6 +82,9 @@ def join_group(
     """Leave any old group, then join generation `generation` (rank 0 passes its own master store)."""
     leave_group()
     t0 = time.perf_counter()
+    if torch.device(device).type == "cuda":
+        for key, value in NCCL_ENV.items():
+            os.environ.setdefault(key, value)
     if world_size > 1:
         store = master_store if master_store is not None else pdist.make_store(
             host, port, world_size, is_master=False, timeout_s=timeout_s
@@ -74,11 +95,64 @@ def join_group(
     return GroupInfo(generation, rank, world_size, host, port, timeout_s, time.perf_counter() - t0)
 
 
-def leave_group() -> None:
-    """Destroy the current group (every sub-group with it); safe to call when there is none."""
+def uses_nccl() -> bool:
+    """Whether the current default group has an NCCL backend (CUDA)."""
+    if not (dist.is_available() and dist.is_initialized() and torch.cuda.is_available()):
+        return False
+    try:
+        return dist.get_backend() == "nccl" or "nccl" in str(dist.get_backend_config())
+    except Exception:  # noqa: BLE001 - a broken group: treat as not NCCL, destroy handles it
+        return False
+
+
+def abort_communicators() -> bool:
+    """NCCL: abort every communicator of every group (pending kernels end, blocked waits raise) and
+    forget the groups. Returns whether there was anything to abort. No-op on gloo (NOTES.md: a gloo
+    abort does not unblock a collective; closing its sockets does, see sever_new_connections)."""
+    if not uses_nccl():
+        return False
+    from torch.distributed.distributed_c10d import _abort_process_group
+
+    with contextlib.suppress(Exception):  # the watchdog may have aborted them already
+        _abort_process_group()
+    return True
+
+
+def leave_group(*, abort: bool = False) -> None:
+    """Leave the current group (every sub-group with it); safe to call when there is none.
+
+    abort=True (after a failure): NCCL communicators are aborted before the group is destroyed, so
+    destroying never waits on work queued with a dead peer. A clean exit (abort=False) destroys only.
+    """
+    if abort:
+        abort_communicators()
     # A broken group still has to go; the next join starts clean.
     with contextlib.suppress(Exception):
         pdist.destroy_process_group()
+    if abort:
+        pdist.reset_dtensor_caches()  # abort forgot the groups without destroy's cache reset
+
+
+def abort_if_stuck(left: Callable[[], bool], grace_s: float) -> threading.Thread | None:
+    """NCCL: if the training thread has not left its group within `grace_s` (`left()` is still False),
+    abort the communicators so a collective blocked on a dead peer returns now, not at its timeout.
+    Started by the supervisor's abort; the grace lets a healthy rank stop at its step boundary."""
+    if not uses_nccl():
+        return None
+
+    def watch() -> None:
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            if left():
+                return
+            time.sleep(0.05)
+        if not left() and abort_communicators():
+            log.warning("the training thread was still in its group %.1fs after the abort: NCCL "
+                        "communicators aborted", grace_s)
+
+    t = threading.Thread(target=watch, name="nccl-abort", daemon=True)
+    t.start()
+    return t
 
 
 def socket_fds() -> dict[int, str]:

@@ -7,6 +7,10 @@ Worker -> supervisor, fire and forget (`supervisor.report.remote(note)`):
     SnapshotAck        its in-memory snapshot of a step is (or is not) held by the keepers
     CheckpointReport   rank 0: a persistent checkpoint was written (or failed, or was abandoned)
     FaultNote          a chaos fault is about to act on this worker
+Node agent -> its group's leader agent -> supervisor (workers.node_agent; one per group per interval,
+at once when a rank or a member node is lost):
+    NodeBatch          its ranks' heartbeats, step timings and snapshot acks folded into one message,
+                       the ranks it saw lost (RankLost), and the rare notes relayed as they are
 Worker -> supervisor, as the return value of `run`:
     RunResult          how the rank's part of a generation ended (RunStatus)
 
@@ -113,3 +117,48 @@ class RunResult:
     @property
     def ok(self) -> bool:
         return self.status in (RunStatus.FINISHED, RunStatus.PAUSED)
+
+
+@dataclass
+class RankLost:
+    """A rank its node agent saw go: its process exited (`died`) or it fell silent (`hang`)."""
+
+    worker: str
+    rank: int
+    generation: int
+    kind: str  # "died" | "hang"
+    detail: str
+    t_fault: float | None  # its last heartbeat (hang) or when its exit was first seen (died)
+    t_seen: float
+
+
+@dataclass
+class NodeBatch(Note):
+    """One node's ranks in one message (worker: the agent's name; rank: -1). The supervisor's work per
+    interval is then one message per node, whatever the ranks per node.
+
+    `steps`: step -> worker -> (gap_s, step_time_s) of the steps its ranks completed since the last
+    batch (what the straggler policy needs); `acks`: (generation, step) -> ranks whose snapshot shard
+    the keepers hold, `ack_world` their world size, `ack_failures` ranks whose snapshot failed;
+    `beats`: worker -> when the agent last heard from it (the heartbeat-age gauge); `notes`: Formed,
+    CheckpointReport, FaultNote, failed acks and rank 0's metrics heartbeat, relayed unchanged (rare);
+    `rank_logs`: the ranks' output lines with their source (`rank <r>`).
+    """
+
+    node: str
+    seq: int
+    max_step: int = 0
+    max_step_time_s: float = 0.0
+    steps: dict[int, dict[str, tuple[float, float]]] = field(default_factory=dict)
+    acks: dict[tuple[int, int], list[int]] = field(default_factory=dict)
+    ack_world: dict[tuple[int, int], int] = field(default_factory=dict)
+    ack_failures: int = 0
+    beats: dict[str, float] = field(default_factory=dict)
+    lost: list[RankLost] = field(default_factory=list)
+    notes: list[Note] = field(default_factory=list)
+    rank_logs: list[tuple[float, str, str]] = field(default_factory=list)  # (time, source, line)
+    # A group leader's batch carries its members' (workers.node_agent: a tree of agents, so the
+    # supervisor gets one message per group): when it last heard from each member's agent, and the
+    # members it found silent (node -> last heard): those nodes are lost.
+    members: dict[str, float] = field(default_factory=dict)
+    lost_nodes: dict[str, float] = field(default_factory=dict)

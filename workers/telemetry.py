@@ -78,6 +78,9 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("unbroken_recoveries_total", "counter", "recoveries of a job, by cause", ("job_id", "cause")),
     MetricDef("unbroken_dp_degree", "gauge", "data-parallel degree of the job now", ("job_id",)),
     MetricDef("unbroken_generation", "gauge", "generation of the job's worker group", ("job_id",)),
+    MetricDef("unbroken_store_write_failures", "gauge",
+              "failed attempts of the job's supervisor to write the job store so far (each is retried)", ("job_id",)),
+    MetricDef("unbroken_store_backlog", "gauge", "writes the supervisor holds for the job store, unwritten", ("job_id",)),
     MetricDef(MEMORY_METRIC, "gauge", MEMORY_METRIC_HELP, ("node",), recorded_by="checkpointing.keeper"),
 )
 
@@ -238,3 +241,15 @@ def record_heartbeat_age(job_id: str, rank: int, age_s: float) -> None:
     if ms is None:
         return
     ms["unbroken_heartbeat_age_s"].set(float(age_s), tags=_tags(job_id, rank))
+
+
+@_never_raises
+def record_store_writes(job_id: str, backlog: int, failures: int) -> None:
+    """The supervisor's writes to the job store: how many it holds unwritten, and its failed attempts so
+    far (a gauge set at every write, 0 while all is well: a counter would have no series until trouble)."""
+    ms = _get()
+    if ms is None:
+        return
+    job = _tags(job_id)
+    ms["unbroken_store_backlog"].set(float(backlog), tags=job)
+    ms["unbroken_store_write_failures"].set(float(failures), tags=job)

@@ -87,6 +87,7 @@ class Worker:
         self.ckpt_cfg = CheckpointConfig.model_validate_json(ckpt_json)
         self.opts = WorkerOptions(**options)
         self.supervisor = supervisor
+        self._agent: Any = None  # this node's agent (workers.node_agent) once a generation names one
         self.node_id = ray.get_runtime_context().get_node_id()
         self.node_name = current_node_name()  # from Ray: a keeper can be placed on any node
         self.on_head = current_node_is_head()
@@ -136,6 +137,10 @@ class Worker:
     def abort(self, generation: int) -> None:
         """Stop training in every generation up to `generation` at the next step boundary."""
         self._abort_gen = max(self._abort_gen, generation)
+        from workers.group import abort_if_stuck
+
+        # NCCL: a rank blocked in a collective with a dead peer never reaches that boundary.
+        abort_if_stuck(lambda: self.phase != "training" or self.generation > generation, grace_s=2.0)
 
     def pause_at(self, generation: int, step: int) -> None:
         """Finish step `step` (and its snapshot), then return from `run` with status 'paused'."""
@@ -153,7 +158,7 @@ class Worker:
         printed since the last note."""
         note.logs = self._output.drain()
         with contextlib.suppress(Exception):
-            self.supervisor.report.remote(note)
+            (self._agent or self.supervisor).report.remote(note)
 
     def _beat(self, metrics: dict[str, Any] | None = None) -> None:
         self.send(Heartbeat(self.name, self.generation, self.rank, time.time(), phase=self.phase, step=self.step,
@@ -180,13 +185,16 @@ class Worker:
         restore: dict[str, Any] | None,
         timeout_s: float,
         keepers: dict[str, Any] | None = None,
+        agent: Any = None,
     ) -> RunResult:
-        """Join generation `generation` as `rank`, restore, train to the end (or a pause, or an error)."""
+        """Join generation `generation` as `rank`, restore, train to the end (or a pause, or an error).
+        With `agent` (this node's, workers.node_agent), notes go to it, not to the supervisor."""
         import torch
 
         from workers.group import join_group, leave_group, sever_new_connections, socket_fds
 
         sockets_before = socket_fds()  # what is not in here when we fail belongs to the group
+        self._agent = agent
         self.generation, self.rank = generation, rank
         self._last = None
         self.phase = "forming"
@@ -212,6 +220,10 @@ class Worker:
                 t0 = time.perf_counter()
                 restored = tiers.restore(trainer, restore)
                 timings["restore_s"] = time.perf_counter() - t0
+                if generation > 0 and tiers.persist_every:
+                    # A stale rank of an older generation may still be uploading: from here on its commit
+                    # of a step past this resume point is refused (checkpointing.catalog's fences).
+                    tiers.persistent.fence(generation, trainer.step)
             self.step = trainer.step
             self.phase = "training"
             log.info("generation %d: rank %d of %d (dp=%d) on node %s, formed in %.2fs; %s", generation, rank,
@@ -244,7 +256,7 @@ class Worker:
             tiers.close() if ok else tiers.abandon()
         trainer = tiers = None
         gc.collect()
-        leave_group()
+        leave_group(abort=not ok)  # NCCL: abort the communicators before destroying a broken group
         self.phase = "finished" if result.status == RunStatus.FINISHED else "idle"
         if device_is_cuda():
             torch.cuda.empty_cache()
@@ -278,7 +290,13 @@ def engine_for_dp(cfg: Any, dp: int) -> Any:
     return cfg.model_copy(update={"parallelism": layout_at_dp(cfg.parallelism, dp)}, deep=True)
 
 
+class NothingToRestore(RuntimeError):
+    """Training progressed but no state can be restored (the supervisor's reason): the job fails."""
+
+
 def _is_collective_error(e: BaseException) -> bool:
+    if isinstance(e, NothingToRestore):
+        return False  # its words ("restore", "store") are not a broken group's
     text = f"{type(e).__name__}: {e}".lower()
     return any(s in text for s in ("gloo", "nccl", "connection", "timed out", "timeout", "socket", "peer",
                                    "distbackenderror", "store"))
@@ -315,11 +333,15 @@ class _WorkerHooks(LoopHooks):
         w.step = trainer.step
         w.max_step_time_s = max(w.max_step_time_s or 0.0, m.step_time_s)
         telemetry.record_step(w.opts.job_id, w.rank, m)
-        self.tiers.after_step(trainer, self.generation)
+        block_s = self.tiers.after_step(trainer, self.generation)
         w._last = StepReport(trainer.step, gap_s, m.step_time_s, m.loss)
         metrics = None
         if w.rank == 0:
             metrics = metrics_line(m, generation=self.generation)
+            # The checkpoint tiers' share of the training thread this step, and when the step ended
+            # (wall-clock throughput includes what happens between steps; tokens_per_s does not).
+            metrics["ckpt_block_s"] = block_s
+            metrics["end_time"] = time.time()
             if trainer.step % w.cfg.training.log_every == 0 or trainer.step == steps:
                 log.info("step %d/%d: loss %.4f, %.0f tokens/s, step %.3fs", trainer.step, steps, m.loss,
                          m.tokens_per_s, m.step_time_s)
@@ -354,27 +376,45 @@ class _Tiers:
                                                  process_group=_side_group(timeout_s),
                                                  config=trainer.cfg.model_dump(mode="json"))  # export-hf needs it
         self.snap: Any = None
+        self.optimizer = trainer.optimizer
         if self.snap_every:
             from checkpointing.snapshot import SnapshotClient
 
+            # With the optimizer: the copy overlaps the next forward/backward; its step waits for it.
             self.snap = SnapshotClient(worker.opts.job_id, rank, world_size, worker.node_name, self.keepers,
-                                       optimizer=None, timeout_s=max(30.0, timeout_s))
+                                       optimizer=self.optimizer, timeout_s=max(30.0, timeout_s))
+        self._waited_seen = 0.0
 
-    def after_step(self, trainer: Any, generation: int) -> None:
-        """Snapshot to the keepers in the background (acked to the supervisor, which commits) and persist."""
+    def _hook_waits(self) -> float:
+        """Total time optimizer steps have waited for the tiers' copies so far."""
+        return (self.snap.copy_wait_s if self.snap is not None else 0.0) + self.persistent.copy_wait_s
+
+    def after_step(self, trainer: Any, generation: int) -> float:
+        """Snapshot to the keepers in the background (acked to the supervisor, which commits) and persist.
+
+        Returns the training thread's blocking time for the step just done: what its optimizer step
+        waited for copies still in flight, plus this call (state dict, layout, starting the copies).
+        """
+        t0 = time.perf_counter()
+        waited = self._hook_waits() - self._waited_seen
         step = trainer.step
         if self.snap is not None and step % self.snap_every == 0:
             handle = self.snap.snapshot(trainer.state_dict(), step, generation)
             handle.add_done_callback(self._snapshotted)
         if self.persist_every and step % self.persist_every == 0:
             layout = {"dp": trainer.dims.dp, "world_size": self.world}
-            handle = self.persistent.save_async(trainer.state_dict(), step, generation, layout)
+            handle = self.persistent.save_async(trainer.state_dict(), step, generation, layout,
+                                                optimizer=self.optimizer)
             handle.add_done_callback(self._persisted)
+        self._waited_seen = self._hook_waits()
+        return waited + time.perf_counter() - t0
 
     def _snapshotted(self, res: Any) -> None:
         if res.ok:
             telemetry.record_snapshot(self.w.opts.job_id, self.rank, res.blocking_s + res.send_s, res.nbytes)
-        self.w.send(SnapshotAck(self.w.name, res.generation, res.rank, time.time(), step=res.step, ok=res.ok,
+        # Held by a keeper is enough to ack: the commit counts the copies on the keepers alive then, so a
+        # dead keeper (its node alive) does not stop commits until the next re-form replaces it.
+        self.w.send(SnapshotAck(self.w.name, res.generation, res.rank, time.time(), step=res.step, ok=bool(res.acked),
                                 world_size=self.world, errors=dict(res.errors), acked=list(res.acked)))
 
     def _persisted(self, res: Any) -> None:
@@ -412,6 +452,9 @@ class _Tiers:
             source = "resume_from"
             reader, ckpt = self._resume_from(self.w.ckpt_cfg.resume_from)
         if ckpt is None:
+            if target.get("must_restore"):  # the supervisor's reason: training progressed, state is gone
+                skipped = "; ".join(f"step {s}: {why}" for s, why in self.persistent.skipped)
+                raise NothingToRestore(str(target["must_restore"]) + (f" (persistent: {skipped})" if skipped else ""))
             return {"step": 0, "source": "fresh",
                     "skipped": [f"step {s}: {why}" for s, why in self.persistent.skipped]}
         state = trainer.state_dict()

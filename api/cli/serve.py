@@ -86,6 +86,8 @@ def token_create(
     role: str = typer.Option("user", help="user (own jobs only) or admin (all jobs)"),
     label: str = typer.Option(None, help="a note shown by `token list`"),
     expires_in: str = typer.Option(None, "--expires-in", help="lifetime: 3600, 90m, 12h, 30d, 2w (default: never)"),
+    weight: float = typer.Option(1.0, "--weight", help="the owner's fair share of spare capacity (2: twice the "
+                                 "share of an owner with 1); the owner's weight is the largest of its tokens'"),
     db: str = DB,
     url: str = URL,
     token: str = TOKEN,
@@ -96,11 +98,18 @@ def token_create(
     if role not in ("user", "admin"):
         raise typer.BadParameter(f"role {role!r} must be user or admin", param_hint="--role")
     seconds = None if expires_in is None else parse_duration(expires_in)
+    from service.auth import check_weight
+
+    try:
+        check_weight(weight)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--weight") from None
     if db:
         store = _store(db)
         try:
             typer.echo(store.create_token(principal, role, label=label or "unbroken token create",
-                                          expires_in_s=seconds, created_by="unbroken token create --db"))
+                                          expires_in_s=seconds, created_by="unbroken token create --db",
+                                          weight=weight))
         except ValueError as e:
             raise _fail(e) from None
         finally:
@@ -108,7 +117,7 @@ def token_create(
         return
     try:
         with _api(url, token) as c:
-            typer.echo(c.create_token(principal, role=role, label=label, expires_in_s=seconds)["token"])
+            typer.echo(c.create_token(principal, role=role, label=label, expires_in_s=seconds, weight=weight)["token"])
     except UnbrokenError as e:
         raise _fail(e) from None
 
@@ -121,7 +130,7 @@ def token_list(
     url: str = URL,
     token: str = TOKEN,
 ) -> None:
-    """List tokens: id, principal, role, created, expires, revoked, label (never the token text)."""
+    """List tokens: id, principal, role, weight, created, expires, revoked, label (never the token text)."""
     from api.errors import UnbrokenError
 
     if db:
@@ -136,9 +145,11 @@ def token_list(
                 rows = c.tokens(principal=principal, include_revoked=all_)
         except UnbrokenError as e:
             raise _fail(e) from None
-    typer.echo(f"{'ID':>5}  {'PRINCIPAL':20} {'ROLE':6} {'CREATED':21} {'EXPIRES':21} {'REVOKED':21} LABEL")
+    typer.echo(f"{'ID':>5}  {'PRINCIPAL':20} {'ROLE':6} {'WEIGHT':>6} {'CREATED':21} {'EXPIRES':21} {'REVOKED':21} "
+               "LABEL")
     for r in rows:
-        typer.echo(f"{r['id']:>5}  {r['principal'][:20]:20} {r['role']:6} {_when(r['created_at']):21} "
+        typer.echo(f"{r['id']:>5}  {r['principal'][:20]:20} {r['role']:6} {r.get('weight', 1.0):>6g} "
+                   f"{_when(r['created_at']):21} "
                    f"{_when(r['expires_at']):21} {_when(r['revoked_at']):21} {r['label'] or ''}")
 
 

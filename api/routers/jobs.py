@@ -44,6 +44,7 @@ def job_out(rec: JobRecord, *, with_spec: bool = True) -> schemas.Job:
         eval_loss=p.get("eval_loss"),
         tokens_per_s=p.get("tokens_per_s"),
         dp=p.get("dp"),
+        target_dp=rec.target_dp,
         world_size=p.get("world_size"),
         generation=p.get("generation"),
         recoveries=rec.recoveries,

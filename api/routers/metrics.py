@@ -8,11 +8,12 @@ metrics come from the Ray nodes' own endpoints (workers/telemetry.py)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from fastapi import APIRouter, Depends
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from api.deps import AppState, get_state
@@ -36,6 +37,8 @@ class StoreCollector(Collector):
                                  labels=["job_id", "name", "owner", "status"])
         step = GaugeMetricFamily("unbroken_job_step", "last step the job reported", labels=["job_id"])
         dp = GaugeMetricFamily("unbroken_job_dp", "data-parallel degree the job last reported", labels=["job_id"])
+        target = GaugeMetricFamily("unbroken_job_target_dp", "data-parallel degree the scheduler asked the job "
+                                   "to run at", labels=["job_id"])
         recov = GaugeMetricFamily("unbroken_job_recoveries", "recoveries of the job so far", labels=["job_id"])
         for job in self.store.admitted_jobs():
             info.add_metric([job.id, job.name, job.owner, job.status], 1.0)
@@ -45,11 +48,27 @@ class StoreCollector(Collector):
             if isinstance(progress.get("dp"), int | float):
                 dp.add_metric([job.id], float(progress["dp"]))
             recov.add_metric([job.id], float(job.recoveries))
-        yield from (info, step, dp, recov)
+            if job.target_dp is not None:
+                target.add_metric([job.id], float(job.target_dp))
+        yield from (info, step, dp, target, recov)
+
+
+class SchedulerCollector(Collector):
+    """The scheduler's decisions by kind (admit, shrink, grow) since this process started."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        fam = CounterMetricFamily("unbroken_scheduler_decisions", "scheduling decisions by kind (each also an "
+                                  "event of the job, with its reason)", labels=["kind"])
+        for kind in ("admit", "shrink", "grow"):
+            fam.add_metric([kind], float(self.scheduler.decisions.get(kind, 0)))
+        yield fam
 
 
 class ApiMetrics:
-    def __init__(self, store: JobStore) -> None:
+    def __init__(self, store: JobStore, scheduler: Any | None = None) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "unbroken_api_requests", "HTTP requests answered", ["method", "route", "status"], registry=self.registry
@@ -60,6 +79,8 @@ class ApiMetrics:
             registry=self.registry,
         )
         self.registry.register(StoreCollector(store))
+        if scheduler is not None and hasattr(scheduler, "decisions"):
+            self.registry.register(SchedulerCollector(scheduler))
 
     def observe(self, method: str, route: str, status: int, seconds: float) -> None:
         self.requests.labels(method, route, str(status)).inc()

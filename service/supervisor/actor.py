@@ -21,6 +21,7 @@ from ray.exceptions import GetTimeoutError
 from checkpointing.naming import CONTROL_RESOURCE, NAMESPACE, supervisor_name
 from service import sizing
 from service.policies import FailurePolicy, Policies, ScalingPolicy, StragglerPolicy
+from service.supervisor.agents import SERVICE_AGENT_MISSES, SERVICE_MEMBER_MISSES, AgentTracker
 from service.supervisor.committer import SnapshotCommitter
 from service.supervisor.context import JobFailed, JobRun
 from service.supervisor.controller import Controller, Failed
@@ -28,7 +29,7 @@ from service.supervisor.detection import FailureDetector
 from service.supervisor.generations import Generations
 from service.supervisor.pool import ReplicaPool, ReplicaState
 from service.supervisor.reporter import Reporter
-from workers.protocol import CheckpointReport, FaultNote, Formed, Heartbeat, Note, SnapshotAck
+from workers.protocol import CheckpointReport, FaultNote, Formed, Heartbeat, NodeBatch, Note, SnapshotAck
 
 _LINGER_S = 600.0  # without a store, stay readable this long after the end (or until shutdown())
 
@@ -41,7 +42,8 @@ def policies_for(spec: Any, dp_min: int, dp_max: int) -> Policies:
 
 
 class Supervisor:
-    def __init__(self, job_id: str, spec_json: str, store_url: str | None, namespace: str = NAMESPACE) -> None:
+    def __init__(self, job_id: str, spec_json: str, store_url: str | None, namespace: str = NAMESPACE,
+                 target_dp: int | None = None) -> None:
         from service.spec import JobSpec
         from workers.log_capture import capture_process_output, echo_logs_to_stdout
 
@@ -73,9 +75,14 @@ class Supervisor:
         self.reporter = Reporter(self.run, output)
         self.pool = ReplicaPool(self.run, self.reporter)
         self.committer = SnapshotCommitter(self.run, self.reporter)
+        self.agents = AgentTracker(self.run, self.committer.on_ack, self.report, self.reporter.add_logs,
+                                   self.reporter.event, misses=SERVICE_AGENT_MISSES,
+                                   member_misses=SERVICE_MEMBER_MISSES)
         detector = FailureDetector(self.run, self.reporter, self.policies.stragglers)
         self.generations = Generations(self.run, self.reporter, self.pool, self.committer, detector,
-                                       self.policies.scaling)
+                                       self.policies.scaling, self.agents)
+        if target_dp is not None:  # the scheduler's start size (dp.max when it leaves it open)
+            self.generations.set_target(max(self.run.dp_min, min(self.run.dp_max, target_dp)), "")
         self.controller = Controller(self.run, self.reporter, self.pool, self.committer, self.generations,
                                      self.policies)
         self._thread = threading.Thread(target=self._main, name="supervisor", daemon=True)
@@ -87,6 +94,10 @@ class Supervisor:
         worker alive."""
         now = time.time()
         run = self.run
+        if isinstance(note, NodeBatch):  # a node agent's batch: its ranks' notes folded (agents.py)
+            with run.lock:
+                self.agents.on_batch(note, now)
+            return
         with run.lock:
             if note.logs:
                 self.reporter.add_logs(note.source, note.logs)
@@ -114,6 +125,22 @@ class Supervisor:
     def cancel(self) -> None:
         self.run.cancel.set()
 
+    def resize_to(self, dp: int, reason: str = "") -> dict[str, Any]:
+        """Run at data-parallel degree `dp` from the next snapshot boundary on (the scheduler's call):
+        smaller, the generation pauses there and re-forms without its last replicas; bigger, replicas are
+        reserved and join at a pause once ready. No step is lost either way. The same target again is a
+        no-op. ValueError outside resources.dp."""
+        gens = self.generations
+        with self.run.lock:
+            before = gens.target
+            if before != dp:  # the same target again (the scheduler re-sends it) keeps its reason
+                gens.set_target(int(dp), reason)
+            current = self.run.dp
+        if before != dp:
+            self.reporter.event("resize_requested", f"asked to run at dp={dp} (now {current})"
+                                + (f": {reason}" if reason else ""), dp=current, target_dp=dp, reason=reason or None)
+        return {"dp": current, "target_dp": dp}
+
     def shutdown(self) -> None:
         """Let a finished supervisor exit now (the `unbroken run` path calls this once it has read all)."""
         self.run.shutdown.set()
@@ -123,7 +150,7 @@ class Supervisor:
         with run.lock:
             return {
                 "job_id": run.job_id, "state": run.sm.state.value, "generation": run.generation,
-                "dp": run.dp, "world_size": run.dp * run.mp, "step": self.reporter.last_row_step,
+                "dp": run.dp, "target_dp": self.generations.target, "world_size": run.dp * run.mp, "step": self.reporter.last_row_step,
                 "total_steps": run.spec.training.steps, "recoveries": run.recoveries, "reason": run.reason,
                 "done": run.done.is_set(),
                 "workers": [s.name for r in self.pool.replicas.values() for s in r.slots
@@ -183,8 +210,10 @@ def _fill_dp(per_worker: dict[str, float], mp: int) -> int:
 
 
 # ===================================================================== the agreed entry points
-def launch_supervisor(job_id: str, spec: Any, *, store_url: str | None, namespace: str = NAMESPACE) -> Any:
-    """Create the detached named actor `job-<id>/supervisor`, which runs the job; returns its handle."""
+def launch_supervisor(job_id: str, spec: Any, *, store_url: str | None, namespace: str = NAMESPACE,
+                      target_dp: int | None = None) -> Any:
+    """Create the detached named actor `job-<id>/supervisor`, which runs the job; returns its handle.
+    `target_dp`: the dp to start at (the scheduler's choice); None: as large as dp.max allows."""
     from service.store import spec_to_private_json
 
     resources: dict[str, float] = {}
@@ -198,7 +227,7 @@ def launch_supervisor(job_id: str, spec: Any, *, store_url: str | None, namespac
         name=supervisor_name(job_id), namespace=namespace, lifetime="detached",
         max_restarts=spec.fault_tolerance.supervisor_max_restarts, max_task_retries=0,
         max_concurrency=16, num_cpus=0, resources=resources or None,
-    ).remote(job_id, spec_to_private_json(spec), store_url, namespace)
+    ).remote(job_id, spec_to_private_json(spec), store_url, namespace, target_dp)
 
 
 def find_supervisor(job_id: str, namespace: str = NAMESPACE) -> Any | None:

@@ -24,6 +24,7 @@ class SnapshotCommitter:
         self.keepers: dict[str, Any] = {}
         self._acks: dict[tuple[int, int], dict[str, Any]] = {}  # (generation, step) -> world, ranks
         self.committed: tuple[int, int] | None = None  # the newest committed snapshot (generation, step)
+        self.ever_committed = False
         self.snapshot_errors = 0
 
     def on_ack(self, generation: int, step: int, rank: int, world_size: int, ok: bool) -> None:
@@ -50,6 +51,7 @@ class SnapshotCommitter:
         for name in list(self.keepers):
             if name not in nodes and name not in alive:
                 self.keepers.pop(name)  # its node is gone, and its memory with it
+        self._replace_dead_keepers(alive)
         missing = sorted(nodes - set(self.keepers))
         if missing:
             try:
@@ -69,12 +71,28 @@ class SnapshotCommitter:
                                 "persistent checkpoint. Add a second node to keep a second copy.",
                                 node=only, copies=1)
 
+    def _replace_dead_keepers(self, alive_nodes: dict[str, str]) -> None:
+        """A keeper that died while its node lives (killed, out of memory) is dropped, said, and started
+        again below; its snapshots are gone, the other copies hold them."""
+        if not self.keepers:
+            return
+        from checkpointing.keeper import alive_keepers
+
+        answering = alive_keepers(self.keepers, timeout_s=5.0)
+        for name in sorted(set(self.keepers) - set(answering)):
+            self.keepers.pop(name)
+            if name in alive_nodes:
+                self.reporter.event("keeper_lost", f"The snapshot keeper on node {name} is gone while its node "
+                                    "lives; a new one starts there, and the other keepers' copies serve restores "
+                                    "meanwhile.", node=name)
+
     def commit(self) -> None:
-        """Commit the newest snapshot every rank has acknowledged, up to the last written metrics row."""
+        """Commit the newest snapshot every rank has acknowledged, up to the last metrics row written
+        (to metrics.jsonl and the store: Reporter.committable_step)."""
         self.reporter.flush_metrics()
         with self.run.lock:
             ready = sorted((k for k, v in self._acks.items()
-                            if len(v["ranks"]) >= v["world"] and k[1] <= self.reporter.last_row_step),
+                            if len(v["ranks"]) >= v["world"] and k[1] <= self.reporter.committable_step),
                            reverse=True)
         if not ready or not self.keepers:
             return
@@ -89,23 +107,73 @@ class SnapshotCommitter:
             if ok:
                 with self.run.lock:
                     self.committed = key
+                    self.ever_committed = True
                     for k in [k for k in self._acks if k <= key]:
                         self._acks.pop(k)
                 return
 
     def restore_target(self) -> dict[str, Any]:
-        """The committed snapshot a new generation restores ({"step": None, ...} when there is none)."""
-        self.commit()
-        if self.committed is None and self.keepers:  # e.g. after our own restart: ask the keepers
-            from checkpointing.keeper import committed_snapshots
+        """The committed snapshot a new generation restores ({"step": None, ...} when there is none).
 
-            with contextlib.suppress(Exception):
-                ids = committed_snapshots(self.keepers, self.run.job_id)
-                if ids:
-                    self.committed = (int(ids[-1][0]), int(ids[-1][1]))
-        if self.committed is None:
-            return {"step": None, "generation": None}
-        return {"generation": self.committed[0], "step": self.committed[1]}
+        With none, the ranks read the newest persistent checkpoint. After training progressed, finding
+        neither never restarts from step 0 silently: the target carries `must_restore` (why the ranks must
+        fail rather than start over) unless fault_tolerance.restart_from_scratch allows it."""
+        self.reporter.flush_metrics()
+        self.reporter.settle_store()  # the rows just flushed count for the commit (not minutes: see there)
+        self.commit()
+        lookup_failed = None
+        if self.committed is None and self.keepers:  # e.g. after our own restart: ask the keepers
+            try:
+                self.committed = self._newest_in_keepers()
+            except Exception as e:  # noqa: BLE001 - said below, in must_restore
+                lookup_failed = f"{type(e).__name__}: {e}"
+                log.warning("asking the keepers for committed snapshots failed: %s", lookup_failed)
+        if self.committed is not None:
+            return {"generation": self.committed[0], "step": self.committed[1]}
+        target: dict[str, Any] = {"step": None, "generation": None}
+        why = self._why_not_from_scratch(lookup_failed)
+        if why is not None:
+            target["must_restore"] = why
+        return target
+
+    def _newest_in_keepers(self) -> tuple[int, int] | None:
+        """After our own restart: the newest snapshot the keepers hold whole, committed now if the crashed
+        instance had not yet, up to the last metrics row written (its rows are in metrics.jsonl), so the
+        steps its commit still trailed are not lost. Else the keepers' newest committed one."""
+        from checkpointing.keeper import commit_snapshot, snapshot_holders
+
+        holders, world, committed, _ = snapshot_holders(self.keepers, self.run.job_id)
+        newest = committed[-1] if committed else None
+        # A restarted instance re-sends to the store the rows metrics.jsonl has (Reporter.open_outputs).
+        rows = self.reporter.last_row_step if self.run.restarted else self.reporter.committable_step
+        for key in sorted(holders, reverse=True):
+            if newest is not None and key <= newest:
+                break
+            if key[1] <= rows and commit_snapshot(
+                    self.keepers, self.run.job_id, key[0], key[1], world[key]):
+                return (int(key[0]), int(key[1]))
+        return (int(newest[0]), int(newest[1])) if newest is not None else None
+
+    def _why_not_from_scratch(self, lookup_failed: str | None) -> str | None:
+        """Why a restart from step 0 must not happen now (None: it may, e.g. before any state was due)."""
+        run = self.run
+        progressed = max(run.last_step_seen, self.reporter.last_row_step)
+        if run.generation <= 0 or progressed <= 0 or run.ft.restart_from_scratch:
+            return None
+        ck = run.spec.checkpoint
+        fix = ("set fault_tolerance.restart_from_scratch: true to allow a restart from step 0"
+               + ("" if ck.in_memory_every or ck.persist_every else
+                  ", or checkpoint.in_memory_every / persist_every to keep state"))
+        if lookup_failed is not None:
+            lost = f"the keepers could not be asked for a committed snapshot ({lookup_failed})"
+        elif self.ever_committed or self.reporter.checkpoints_written:
+            lost = "the state saved before (in-memory snapshot or persistent checkpoint) is gone"
+        elif not ck.in_memory_every and not ck.persist_every:
+            lost = "the job keeps no state (checkpoint.in_memory_every and persist_every are 0)"
+        else:
+            return None  # the failure came before the first save: starting over is all that is lost
+        return (f"Training had reached step {progressed}, and no in-memory snapshot or persistent checkpoint "
+                f"can be restored: {lost}. The job stops rather than restart from step 0; {fix}.")
 
     def fence(self, generation: int) -> None:
         """A new generation begins: the keepers refuse shards and commits of older ones (a stale worker

@@ -1,6 +1,6 @@
 """The supervisor's controller: the job's life as states that carry their data, one `step()` at a time.
 
-    Starting | Adopting -> Running <-> Recovering(failure), Running <-> Growing,
+    Starting | Adopting -> Running <-> Recovering(failure), Running <-> Resizing,
     Running -> Finished;  any -> Cancelled | Failed(reason)
 
 `step()` runs the current state's work and moves to the state it returns; `run()` steps until a
@@ -50,8 +50,9 @@ class Recovering:
 
 
 @dataclass
-class Growing:
-    """The generation paused at a snapshot boundary: the next one takes the spare replicas in."""
+class Resizing:
+    """The generation paused at a snapshot boundary: the next one re-forms at the target dp (spare
+    replicas join, or the surplus leaves) and restores that snapshot from memory: no step is lost."""
 
 
 @dataclass
@@ -70,7 +71,7 @@ class Failed:
     traceback: str | None = None
 
 
-State = Starting | Adopting | Running | Recovering | Growing | Finished | Cancelled | Failed
+State = Starting | Adopting | Running | Recovering | Resizing | Finished | Cancelled | Failed
 FINAL = (Finished, Cancelled, Failed)
 
 
@@ -114,8 +115,8 @@ class Controller:
                 return self._watch()
             case Recovering(failure=failure):
                 return self._recover(failure)
-            case Growing():
-                return self._grow()
+            case Resizing():
+                return self._resize()
             case Finished():
                 self.reporter.to(JobState.FINISHING, "every rank finished")
                 self.reporter.flush_metrics()
@@ -140,7 +141,8 @@ class Controller:
         self.reporter.event("started", f"The supervisor of job {run.job_id} started; the job's folder is "
                             f"{run.output_dir}.", dp_min=run.dp_min, dp_max=run.dp_max, model_parallel=run.mp,
                             output_dir=str(run.output_dir), checkpoint_uri=run.spec.checkpoint.uri)
-        for _ in range(run.dp_max):
+        want = self.gens.target
+        for _ in range(want):
             pool.request()
         deadline = time.monotonic() + run.ft.wait_for_capacity_s
         grace_until: float | None = None
@@ -148,7 +150,7 @@ class Controller:
             run.check_cancel()
             pool.advance()
             ready = pool.count(ReplicaState.READY)
-            if ready >= run.dp_max:
+            if ready >= want:
                 break
             if ready >= run.dp_min and pool.count(ReplicaState.STARTING) == 0:
                 grace_until = grace_until or time.monotonic() + _START_GRACE_S
@@ -164,7 +166,7 @@ class Controller:
         reps = pool.in_state(ReplicaState.READY)
         self.gens.probe(reps[0].slots[0])
         ck = run.spec.checkpoint
-        self.gens.launch(0, reps[: run.dp_max], restore=ck.resume or bool(ck.resume_from))
+        self.gens.launch(0, reps[:want], restore=ck.resume or bool(ck.resume_from))
         self.reporter.to(JobState.RUNNING, "workers started")
         return Running()
 
@@ -174,11 +176,11 @@ class Controller:
         self.reporter.event("adopted", f"found {sum(len(r.slots) for r in self.pool.replicas.values())} live "
                             f"worker(s) of generation {last_gen}", generation=last_gen)
         self.run.generation = last_gen
-        dp = self.policies.scaling.choose(self.pool.count(ReplicaState.READY))
+        dp = self._choose_dp()
         if dp is None:
             dp = self._wait_for_capacity()
         reps = self.pool.in_state(ReplicaState.READY)[:dp]
-        self.pool.top_up()
+        self.gens.fit_pool()
         self.gens.launch(last_gen + 1, reps, restore=True)
         self.reporter.to(JobState.RUNNING, "re-formed after a supervisor restart")
         return Running()
@@ -190,7 +192,7 @@ class Controller:
         if end is GenerationEnd.CANCELLED:
             return Cancelled()
         if end is GenerationEnd.PAUSED:
-            return Growing()
+            return Resizing()
         assert isinstance(end, Failure)
         return Recovering(end)
 
@@ -226,8 +228,8 @@ class Controller:
                 pool.drop(rep, "lost a member")
             else:
                 rep.state = ReplicaState.READY
-        pool.top_up()
-        dp = self.policies.scaling.choose(pool.count(ReplicaState.READY))
+        self.gens.fit_pool()
+        dp = self._choose_dp()
         if dp is None:
             dp = self._wait_for_capacity()
         if dp < old_dp:
@@ -244,23 +246,56 @@ class Controller:
         reporter.to(JobState.RUNNING, f"re-formed at dp={dp}")
         return Running()
 
-    def _grow(self) -> State:
-        run, pool = self.run, self.pool
-        self.reporter.to(JobState.RESIZING, "growing")
-        old_dp = run.dp
-        self.gens.pausing = None
+    def _resize(self) -> State:
+        """Re-form at the target dp after the pause: the paused step's snapshot is committed first, so
+        the next generation restores exactly it from memory (0 steps lost, also when shrinking)."""
+        run, pool, gens = self.run, self.pool, self.gens
+        self.reporter.to(JobState.RESIZING, "resizing")
         active = pool.in_state(ReplicaState.ACTIVE)
+        # The step the ranks paused after: the agreed one, or later when the request reached them late.
+        steps = [int(s.result.step) for r in active for s in r.slots if s.result is not None]
+        old_dp, paused = run.dp, max(steps, default=gens.pausing)
+        gens.pausing = None
+        self._await_commit(paused)
         spares = pool.in_state(ReplicaState.READY)
-        add = self.policies.scaling.wants_growth(old_dp, len(spares))
-        reps = active + spares[:add]
-        self.gens.launch(run.generation + 1, reps, restore=True)
-        self.reporter.event("resized", f"dp {old_dp} -> {len(reps)} (world {old_dp * run.mp} -> "
-                            f"{len(reps) * run.mp})", old_dp=old_dp, new_dp=len(reps), generation=run.generation,
-                            cause="growth")
-        self.reporter.to(JobState.RUNNING, f"grown to dp={len(reps)}")
+        new_dp = min(gens.target, len(active) + len(spares))
+        if new_dp < len(active):
+            self._check_resize_fits(new_dp)
+            for rep in active[new_dp:]:  # the last replicas leave; their capacity goes back to the cluster
+                pool.drop(rep, f"released at dp={new_dp}")
+            reps = active[:new_dp]
+        else:
+            reps = active + spares[: new_dp - len(active)]
+        restored = self.committer.committed
+        gens.launch(run.generation + 1, reps, restore=True)
+        gens.fit_pool()
+        lost = None if paused is None or restored is None else max(0, paused - restored[1])
+        cause = "scheduler" if gens.target_reason else "growth"
+        why = f": {gens.target_reason}" if gens.target_reason else ""
+        self.reporter.event("resized", f"dp {old_dp} -> {new_dp} (world {old_dp * run.mp} -> {new_dp * run.mp})"
+                            f" at step {paused}{why}; {lost if lost is not None else '?'} step(s) lost",
+                            old_dp=old_dp, new_dp=new_dp, generation=run.generation, cause=cause,
+                            reason=gens.target_reason or None, step=paused, lost_steps=lost)
+        self.reporter.to(JobState.RUNNING, f"{'grown' if new_dp > old_dp else 'shrunk'} to dp={new_dp}")
         return Running()
 
     # ----------------------------------------------------------------- helpers
+    def _choose_dp(self) -> int | None:
+        """The dp the ready replicas allow, capped at the scheduler's target; None below dp.min."""
+        dp = self.policies.scaling.choose(self.pool.count(ReplicaState.READY))
+        return None if dp is None else min(dp, max(self.gens.target, self.run.dp_min))
+
+    def _await_commit(self, step: int | None, timeout_s: float = 15.0) -> None:
+        """Until the snapshot of the paused step is committed (its acknowledgements may trail the ranks'
+        return), so the next generation restores it rather than an older one."""
+        deadline = time.monotonic() + timeout_s
+        while step is not None and time.monotonic() < deadline:
+            self.committer.commit()
+            done = self.committer.committed
+            if done is not None and done[1] >= step:
+                return
+            time.sleep(0.05)
+
     def _check_resize_fits(self, dp: int) -> None:
         """The planner's memory check at the smaller dp (a bigger share of the fixed global batch and
         of the model states per rank): fail with the reason rather than run out of memory."""
@@ -287,9 +322,9 @@ class Controller:
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
             run.check_cancel()
-            pool.top_up()
+            self.gens.fit_pool()
             pool.advance()
-            dp = self.policies.scaling.choose(pool.count(ReplicaState.READY))
+            dp = self._choose_dp()
             if dp is not None:
                 return dp
             time.sleep(0.2)

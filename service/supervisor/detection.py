@@ -17,7 +17,7 @@ from service.supervisor.context import JobRun
 from service.supervisor.pool import Slot
 from service.supervisor.reporter import Reporter
 from service.supervisor.words import cause_phrase, first_line
-from workers.protocol import FaultNote, Note, RunResult, RunStatus
+from workers.protocol import FaultNote, Note, RankLost, RunResult, RunStatus
 
 
 @dataclass
@@ -49,6 +49,7 @@ class FailureDetector:
         self.run = run
         self.reporter = reporter
         self.stragglers = stragglers
+        self._names: tuple[tuple[int, int], set[str]] = ((-2, -1), set())
 
     def settle(self, found: list[Failure], pending: list[Slot], grace_s: float) -> list[Failure]:
         """`found` holds only broken collectives: the rank that broke them is still returning (its own
@@ -70,6 +71,13 @@ class FailureDetector:
                 break
         return more
 
+    def death(self, s: Slot, e: BaseException) -> Failure:
+        """Ray says `s`'s actor died: the failure, its cause first (chaos, its node, or Ray's words)."""
+        s.result = RunResult(RunStatus.DEAD, s.name, self.run.generation, s.rank, 0, error=str(e))
+        s.dead = "died"
+        kind = FailureKind.NODE_DIED if self._node_dead(s) else FailureKind.WORKER_DIED
+        return Failure(kind, [s], self._death_text(s, kind, e), time.time(), t_fault=self._fault_time(s))
+
     def collect(self, s: Slot) -> Failure | None:
         """Read a finished run call; a failure when it did not end well."""
         try:
@@ -77,10 +85,7 @@ class FailureDetector:
         except ActorUnavailableError:
             return None  # suspect, not dead: heartbeats decide
         except (ActorDiedError, RayActorError) as e:
-            s.result = RunResult(RunStatus.DEAD, s.name, self.run.generation, s.rank, 0, error=str(e))
-            s.dead = "died"
-            kind = FailureKind.NODE_DIED if self._node_dead(s) else FailureKind.WORKER_DIED
-            return Failure(kind, [s], self._death_text(s, kind, e), time.time(), t_fault=self._fault_time(s))
+            return self.death(s, e)
         res = s.result
         if res.ok:
             return None
@@ -109,12 +114,46 @@ class FailureDetector:
                                t_fault=seen)
         return None
 
+    def from_agents(self, lost: list[RankLost], silent: list[tuple[str, float]], slots: list[Slot],
+                    now: float) -> Failure | None:  # fmt: skip
+        """What the node agents saw (service.supervisor.agents): a rank lost on its node (its process
+        exited or stopped, or it fell silent), or a node whose agent fell silent (the node is lost).
+        O(1) while all is well; the slots are searched only once something is wrong."""
+        if not lost and not silent:
+            return None
+        by_name = {s.name: s for s in slots if s.result is None}
+        for x in lost:
+            s = by_name.get(x.worker)
+            if s is None or x.generation != self.run.generation:
+                continue
+            fault = self.fault_of(s)
+            t_fault = fault.time if fault else x.t_fault
+            if x.kind == "died":  # in the words of Ray's own report of a death (the cause first)
+                return Failure(FailureKind.WORKER_DIED, [s], self._death_text(s, FailureKind.WORKER_DIED, x.detail),
+                               now, t_fault=t_fault)
+            cause = f" (hung by chaos: {fault.kind})" if fault else ""
+            silent = f"sent no heartbeat for {now - x.t_fault:.1f}s" if x.t_fault is not None else x.detail
+            return Failure(FailureKind.HANG, [s], f"Rank {s.rank} ({s.short}) {silent}{cause}; heartbeat_timeout_s="
+                           f"{self.run.ft.heartbeat_timeout_s:g} (seen by its node's agent).", now, t_fault=t_fault)
+        for node, seen in silent:
+            gone = [s for s in by_name.values() if (s.info or {}).get("node_name") == node]
+            if gone:
+                ranks = ", ".join(str(s.rank) for s in gone[:8]) + (" ..." if len(gone) > 8 else "")
+                return Failure(FailureKind.NODE_DIED, gone, f"Node {node} is lost: its agent sent nothing for "
+                               f"{now - seen:.1f}s (ranks {ranks}).", now, t_fault=seen)
+        return None
+
     def check_stragglers(self, slots: list[Slot]) -> Failure | None:
         """Complete steps' timings to the straggler policy: a failure when it says replace, else events."""
         run = self.run
-        names = {s.name for s in slots}
+        key = (run.generation, len(slots))
+        if self._names[0] != key:  # a generation's slots are fixed: their names are built once
+            self._names = (key, {s.name for s in slots})
+        names = self._names[1]
         with run.lock:
-            complete = sorted(st for st, rep in run.step_reports.items() if set(rep["gap"]) >= names)
+            # The length first: an incomplete step costs O(1), a complete one O(ranks) once.
+            complete = sorted(st for st, rep in run.step_reports.items()
+                              if len(rep["gap"]) >= len(names) and rep["gap"].keys() >= names)
             reports = [run.step_reports.pop(st) for st in complete]
         for rep in reports:
             for name in self.stragglers.observe(rep["gap"], rep["time"]):
@@ -147,7 +186,7 @@ class FailureDetector:
                     return f
         return None
 
-    def _death_text(self, s: Slot, kind: FailureKind, e: BaseException) -> str:
+    def _death_text(self, s: Slot, kind: FailureKind, e: BaseException | str) -> str:
         """One sentence, the cause first: chaos by name; a node loss; else Ray's first line."""
         who = f"Rank {s.rank} ({s.short} on node {(s.info or {}).get('node_name', '?')})"
         fault = self.fault_of(s)

@@ -9,15 +9,17 @@ from __future__ import annotations
 import contextlib
 import time
 from enum import Enum
+from typing import Any
 
 import ray
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
 
 from service.policies import FailureKind, ScalingPolicy
+from service.supervisor.agents import AgentTracker
 from service.supervisor.committer import SnapshotCommitter
 from service.supervisor.context import JobFailed, JobRun
 from service.supervisor.detection import Failure, FailureDetector, root_cause
-from service.supervisor.pool import Replica, ReplicaPool, ReplicaState, Slot
+from service.supervisor.pool import LIVE, Replica, ReplicaPool, ReplicaState, Slot
 from service.supervisor.reporter import Reporter
 from service.supervisor.words import first_line, plural, restore_phrase
 from workers import telemetry
@@ -30,7 +32,7 @@ _ROOT_CAUSE_GRACE_S = 3.0
 
 class GenerationEnd(Enum):
     FINISHED = "finished"    # every rank trained to the last step
-    PAUSED = "paused"        # every rank paused at the agreed step: spares are ready to join
+    PAUSED = "paused"        # every rank paused at the agreed step: to resize (grow, or shrink to the target)
     CANCELLED = "cancelled"  # the user cancelled
 
 
@@ -45,14 +47,43 @@ def rank_of(replica_pos: int, local: int, dp: int, cp_tp: int) -> int:
 
 class Generations:
     def __init__(self, run: JobRun, reporter: Reporter, pool: ReplicaPool, committer: SnapshotCommitter,
-                 detector: FailureDetector, scaling: ScalingPolicy) -> None:  # fmt: skip
+                 detector: FailureDetector, scaling: ScalingPolicy, agents: AgentTracker | None = None) -> None:  # fmt: skip
         self.run = run
+        self.agents = agents  # the node agents' side (service.supervisor.agents); None: ranks report here
+        self._agents_on = False  # this generation's ranks report through their node agents
         self.reporter = reporter
         self.pool = pool
         self.committer = committer
         self.detector = detector
         self.scaling = scaling
-        self.pausing: int | None = None  # the step the current generation pauses after, to grow
+        self._launch_failure: Failure | None = None  # launch could not form the generation
+        self.pausing: int | None = None  # the step the current generation pauses after, to resize
+        # The dp the job should run at: dp.max unless the scheduler asked for less (resize_to). Replicas
+        # beyond it are released; a generation above it pauses at its next snapshot and re-forms smaller.
+        self.target: int = run.dp_max
+        self.target_reason: str = ""
+
+    def set_target(self, dp: int, reason: str) -> None:
+        run = self.run
+        if not run.dp_min <= dp <= run.dp_max:
+            raise ValueError(f"dp={dp} is outside the job's resources.dp range {run.dp_min}..{run.dp_max}")
+        self.target, self.target_reason = dp, reason
+
+    def fit_pool(self) -> None:
+        """Replicas to the target: ask for the missing ones (they start when capacity allows), release
+        those not needed (a reservation first, a ready spare last; active ones leave at a pause)."""
+        pool = self.pool
+        live = pool.count(*LIVE)
+        while live < self.target:
+            pool.request()
+            live += 1
+        surplus = live - max(self.target, pool.count(ReplicaState.ACTIVE))
+        for state in (ReplicaState.PENDING, ReplicaState.STARTING, ReplicaState.READY):
+            for rep in reversed(pool.in_state(state)):
+                if surplus <= 0:
+                    return
+                pool.drop(rep, f"not needed at dp={self.target}")
+                surplus -= 1
 
     def timeout_s(self) -> float:
         from workers.group import collective_timeout_s
@@ -101,22 +132,59 @@ class Generations:
         timeout = self.timeout_s()
         rank0 = next(s for s in slots if s.rank == 0)
         assert rank0.info is not None
-        port = ray.get(rank0.handle.open_store.remote(generation, world, timeout), timeout=60)
+        try:
+            port = ray.get(rank0.handle.open_store.remote(generation, world, timeout), timeout=60)
+        except (RayActorError, GetTimeoutError) as e:  # rank 0 lost while the group forms: a failure
+            self._launch_failed(slots, rank0, e)
+            return
         host = rank0.info["host"]
         keepers = self.committer.keepers
+        agents = self._start_agents(slots, generation)
         for s in slots:
             s.run_ref = s.handle.run.remote(generation, s.rank, world, host, port, dp, restore=target,
-                                            timeout_s=timeout, keepers=keepers or None)
+                                            timeout_s=timeout, keepers=keepers or None,
+                                            agent=agents.get(str((s.info or {}).get("node_name"))))
         telemetry.record_group(run.job_id, dp, generation)
         self.reporter.event("generation", f"Generation {generation} starts with {plural(world, 'worker')} at "
                             f"dp={dp}" + restore_phrase(target) + ".",
                             generation=generation, dp=dp, world_size=world, restore=target,
-                            ranks={s.name: s.rank for s in slots}, keepers=sorted(keepers))
+                            ranks={s.name: s.rank for s in slots}, keepers=sorted(keepers), agents=sorted(agents))
+
+    def _launch_failed(self, slots: list[Slot], rank0: Slot, e: BaseException) -> None:
+        """Rank 0 died or stopped answering before the generation could form (e.g. killed during a
+        recovery): no rank starts, and `watch` returns this failure so the controller recovers again."""
+        gen = self.run.generation
+        for s in slots:  # nothing runs: `stop` waits for none of them
+            s.result = RunResult(RunStatus.ABORTED, s.name, gen, s.rank, 0)
+        if isinstance(e, GetTimeoutError):
+            self._launch_failure = Failure(FailureKind.HANG, [rank0], f"Rank 0 ({rank0.short}) did not open the "
+                                           f"group's store within 60 s for generation {gen}.", time.time())
+        else:
+            self._launch_failure = self.detector.death(rank0, e)
+
+    def _start_agents(self, slots: list[Slot], generation: int) -> dict[str, Any]:
+        """The generation's node agents, {node: agent}; {} without them (the ranks then report here)."""
+        self._agents_on = False
+        if self.agents is None:
+            return {}
+        from service.supervisor.agents import start_agents
+
+        try:
+            agents = start_agents(self.agents, slots, generation)
+        except Exception as e:  # noqa: BLE001 - the job runs on without agents, as before them
+            self.reporter.event("agents_missing", f"node agents could not start ({first_line(e)}); the ranks "
+                                "report to the supervisor directly")
+            return {}
+        self._agents_on = True
+        return agents
 
     # ----------------------------------------------------------------- watch
     def watch(self) -> GenerationEnd | Failure:
         """Until the generation ends: finished, paused for growth, cancelled, or a failure."""
         run = self.run
+        if self._launch_failure is not None:
+            failure, self._launch_failure = self._launch_failure, None
+            return failure
         while True:
             if run.cancel.is_set():
                 return GenerationEnd.CANCELLED
@@ -141,47 +209,65 @@ class Generations:
                 return Failure(FailureKind.COLLECTIVE_ERROR, [], f"generation ended with {statuses}", time.time())
             now = time.time()
             hbs = run.heartbeats()
-            hung = self.detector.hung(slots, hbs, now)
+            if self._agents_on and self.agents is not None:  # the agents watch their ranks: O(nodes) here
+                from service.supervisor.agents import confirm_silent
+
+                silent = confirm_silent(self.agents, self.agents.silent(now))
+                hung = self.detector.from_agents(self.agents.take_lost(), silent, slots, now)
+            else:
+                hung = self.detector.hung(slots, hbs, now)
             if hung is not None:
                 return hung
             self.reporter.export_heartbeat_ages(slots, hbs, now)
             f = self.detector.check_stragglers(slots)
             if f is not None:
                 return f
-            self._maybe_pause_to_grow(slots)
+            self.fit_pool()
+            self._maybe_pause_to_resize(slots)
 
-    def _maybe_pause_to_grow(self, slots: list[Slot]) -> None:
+    def _maybe_pause_to_resize(self, slots: list[Slot]) -> None:
+        """Pause at the next snapshot boundary when the generation should re-form: smaller, because the
+        target dropped below its dp; or bigger, when spare replicas are ready up to the target."""
         run, pool = self.run, self.pool
-        if self.pausing is not None or run.dp >= run.dp_max or pool.count(ReplicaState.READY) == 0:
-            return
-        if self.reporter.recovery is not None:
-            return  # the recovering generation first completes a step (and says `recovered`)
-        if pool.count(ReplicaState.STARTING):
-            return  # more replicas are on their way: grow once, with all of them
-        if self.scaling.wants_growth(run.dp, pool.count(ReplicaState.READY)) == 0:
-            return
+        if self.pausing is not None or self.reporter.recovery is not None:
+            return  # a pause is agreed already / the recovering generation first completes a step
+        if self.target < run.dp:
+            why = f"shrinking to dp={self.target}" + (f" ({self.target_reason})" if self.target_reason else "")
+        else:
+            if run.dp >= self.target or pool.count(ReplicaState.READY) == 0:
+                return
+            if pool.count(ReplicaState.STARTING):
+                return  # more replicas are on their way: grow once, with all of them
+            if min(self.scaling.wants_growth(run.dp, pool.count(ReplicaState.READY)), self.target - run.dp) <= 0:
+                return
+            why = f"{pool.count(ReplicaState.READY)} spare replica(s) ready: growing"
         every = run.spec.checkpoint.in_memory_every or run.spec.checkpoint.persist_every or 1
         with run.lock:
             seen = max([int(getattr(m, "step", 0)) for _, m in run.hb.values()
                         if m.generation == run.generation] + [0])
         target = ((seen + 2 + every - 1) // every) * every
         if target >= run.spec.training.steps:
-            return
+            return  # the job ends first, and frees everything
         self.pausing = target
-        for s in slots:
-            s.handle.pause_at.remote(run.generation, target)
-        self.reporter.event("growing", f"{pool.count(ReplicaState.READY)} spare replica(s) ready: pausing after "
-                            f"step {target} to grow", step=target)
+        self._to_ranks(slots, "pause_at", run.generation, target)
+        self.reporter.event("growing" if self.target > run.dp else "shrinking",
+                            f"pausing after step {target}: {why}", step=target, dp=run.dp, target_dp=self.target)
+
+    def _to_ranks(self, slots: list[Slot], call: str, *args: Any) -> None:
+        """A command (abort, pause_at) to the generation's ranks: through their node agents while they
+        run (one call a node, workers.node_agent relays it), else to each rank."""
+        targets = list(self.agents.handles.values()) if self._agents_on and self.agents is not None else []
+        targets = targets or [s.handle for s in slots]
+        for h in targets:
+            with contextlib.suppress(Exception):
+                getattr(h, call).remote(*args)
 
     # ----------------------------------------------------------------- stop
     def stop(self, slots: list[Slot], culprits: list[Slot]) -> None:
         """Every run call of the ending generation returns, or its worker is written off."""
         for s in culprits:
             self.pool.write_off(s, "failed")
-        for s in slots:
-            if s.dead is None:
-                with contextlib.suppress(Exception):
-                    s.handle.abort.remote(self.run.generation)
+        self._to_ranks([s for s in slots if s.dead is None], "abort", self.run.generation)
         deadline = time.monotonic() + self.timeout_s() + 10.0
         while time.monotonic() < deadline:
             pending = [s for s in slots if s.result is None and s.dead is None]

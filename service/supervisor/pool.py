@@ -20,7 +20,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
-from checkpointing.naming import worker_name, worker_number, worker_prefix
+from checkpointing.naming import agent_prefix, worker_name, worker_number, worker_prefix
 from service.placement import ReplicaReservation, release, release_job_groups, reserve_replica
 from service.supervisor.context import JobRun
 from service.supervisor.reporter import Reporter
@@ -161,13 +161,19 @@ class ReplicaPool:
 
     # ----------------------------------------------------------------- shrinking it
     def drop(self, rep: Replica, why: str = "dropped") -> None:
+        self.retire(rep, why)
         for s in rep.slots:
-            if s.dead is None:
-                s.dead = why
             with contextlib.suppress(Exception):
                 ray.kill(s.handle, no_restart=True)
         if rep.res is not None:
             release(rep.res)
+
+    @staticmethod
+    def retire(rep: Replica, why: str) -> None:
+        """The bookkeeping of a drop (no Ray): every member marked dead, the replica DEAD."""
+        for s in rep.slots:
+            if s.dead is None:
+                s.dead = why
         rep.state = ReplicaState.DEAD
 
     def kill(self, s: Slot, why: str) -> None:
@@ -191,16 +197,16 @@ class ReplicaPool:
                     ray.kill(s.handle, no_restart=True)
             if rep.res is not None:
                 release(rep.res)
-        with contextlib.suppress(Exception):
-            for name in self._named_workers():
+        with contextlib.suppress(Exception):  # and the job's node agents (service.supervisor.agents)
+            for name in self._named_workers() + self._named_workers(agent_prefix(run.job_id)):
                 with contextlib.suppress(Exception):
                     ray.kill(ray.get_actor(name, namespace=run.namespace), no_restart=True)
         with contextlib.suppress(Exception):
             release_job_groups(run.job_id)
 
     # ----------------------------------------------------------------- after a supervisor restart
-    def _named_workers(self) -> list[str]:
-        prefix = worker_prefix(self.run.job_id)
+    def _named_workers(self, prefix: str | None = None) -> list[str]:
+        prefix = prefix or worker_prefix(self.run.job_id)
         return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                 if a.get("namespace") == self.run.namespace and str(a.get("name", "")).startswith(prefix)]
 

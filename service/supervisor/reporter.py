@@ -1,7 +1,8 @@
 """Everything a supervisor tells the world: events, job states, the store, metrics.jsonl, TensorBoard,
 telemetry, the job's output lines and the one `recovered` event of each recovery.
 
-Events go to an in-actor list (`unbroken run` polls it) and, with a store, to the job store.
+Events go to an in-actor list (`unbroken run` polls it) and, with a store, to the job store: every
+store write goes through the job's StoreWriter, in order, off the watch loop, never dropped silently.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 from service.state_machine import STORE_STATUS, JobState
 from service.supervisor.context import JobRun
+from service.supervisor.store_writer import StoreWriter
 from service.supervisor.words import SOURCE_WORDS, first_line, fmt_s, plural
 from workers import telemetry
 from workers.protocol import CheckpointReport, Note
@@ -50,7 +52,24 @@ class Reporter:
         self._tb: Any = None  # workers.tensorboard.TensorBoardLog when the spec asks for it
         self.last_row_step = 0  # the last step whose metrics row is written
         self.last_row: dict[str, Any] | None = None
+        self.checkpoints_written = 0  # persistent checkpoints this supervisor saw written
         self.recovery: RecoveryTiming | None = None
+        self.writer = StoreWriter(run.store, run.job_id, self.event) if run.store is not None else None
+
+    def settle_store(self, timeout_s: float = 2.0) -> None:
+        """Before a recovery chooses its snapshot: let the queued rows reach the store (they were written
+        asynchronously a moment ago), so the commit is not held a step or two behind. A store that is
+        down costs this wait once and the commit stays where the store's rows are."""
+        if self.writer is not None:
+            self.writer.drain(timeout_s, quiet=True)
+
+    @property
+    def committable_step(self) -> int:
+        """Snapshots are committed up to here: the last metrics row written to metrics.jsonl and, with a
+        store, to the store (a restore never skips a step whose row was lost)."""
+        if self.writer is None:
+            return self.last_row_step
+        return min(self.last_row_step, self.writer.stored_row_step)
 
     # ----------------------------------------------------------------- events and states
     def event(self, kind: str, message: str, /, **data: Any) -> None:
@@ -59,9 +78,8 @@ class Reporter:
             ev["id"] = len(self.events) + 1
             self.events.append(ev)
         log.info("job %s: %s: %s", self.run.job_id, kind, message)
-        if self.run.store is not None:
-            with contextlib.suppress(Exception):
-                self.run.store.add_event(self.run.job_id, kind, message, data or None)
+        if self.writer is not None:
+            self.writer.put(kind, self.run.store.add_event, self.run.job_id, kind, message, data or None)
 
     def to(self, state: JobState, reason: str = "") -> None:
         run = self.run
@@ -69,9 +87,8 @@ class Reporter:
         run.sm.to(state, reason)
         self.event("state", f"{prev.value} -> {state.value}" + (f": {reason}" if reason else ""),
                    source=prev.value, target=state.value)
-        if run.store is not None and (STORE_STATUS[prev] != STORE_STATUS[state] or prev == JobState.STARTING):
-            with contextlib.suppress(Exception):
-                run.store.set_status(run.job_id, STORE_STATUS[state], reason or None)
+        if self.writer is not None and (STORE_STATUS[prev] != STORE_STATUS[state] or prev == JobState.STARTING):
+            self.writer.put("status", run.store.set_status, run.job_id, STORE_STATUS[state], reason or None)
 
     def fail(self, reason: str, tb: str | None = None) -> None:
         self.run.reason = reason
@@ -88,11 +105,12 @@ class Reporter:
                      note.error)
             return
         if note.ok:
+            self.checkpoints_written += 1
             self.event("checkpointed", f"Persistent checkpoint of step {note.step} written to {note.uri}.",
                        step=note.step, uri=note.uri, tier=note.tier)
-            if run.store is not None:
-                with contextlib.suppress(Exception):
-                    run.store.add_checkpoint(run.job_id, note.step, str(note.uri), note.tier)
+            if self.writer is not None:
+                self.writer.put("checkpoint", run.store.add_checkpoint, run.job_id, note.step, str(note.uri),
+                                note.tier)
         else:
             self.event("checkpoint_failed", f"The persistent checkpoint of step {note.step} failed: "
                        f"{first_line(note.error)}", step=note.step, error=note.error)
@@ -105,14 +123,34 @@ class Reporter:
         run = self.run
         metrics_path = run.output_dir / "metrics.jsonl"
         if run.restarted and metrics_path.exists():  # go on after the rows already written
-            self.last_row_step = max([int(r["step"]) for r in read_metrics(metrics_path)] + [0])
+            written = read_metrics(metrics_path)
+            self.last_row_step = max([int(r["step"]) for r in written] + [0])
+            self._resend_rows_the_store_lacks(written)
         self._metrics_log = MetricsLog(metrics_path, truncate=not run.restarted)
         if run.spec.tensorboard:
             from workers.tensorboard import TensorBoardLog
 
             self._tb = TensorBoardLog(run.output_dir / "tensorboard")
 
+    def _resend_rows_the_store_lacks(self, written: list[dict[str, Any]]) -> None:
+        """After our own restart: rows the crashed instance wrote to metrics.jsonl but still held for
+        the store (it was down) go to the store now, in order."""
+        if self.writer is None:
+            return
+        rec = self.run.store.get_job(self.run.job_id)
+        stored = int(((rec.progress if rec is not None else None) or {}).get("step", 0) or 0)
+        self.writer.stored_row_step = stored
+        missing = [r for r in written if int(r["step"]) > stored]
+        if missing:
+            log.info("job %s: %d metrics row(s) the store lacks are written again", self.run.job_id, len(missing))
+            self.writer.put("metrics", self.run.store.add_metrics, self.run.job_id, missing,
+                            row_step=int(missing[-1]["step"]))
+
     def close_outputs(self) -> None:
+        """The job's end: its files closed and its last store writes (the final status) made."""
+        if self.writer is not None:
+            self.writer.drain()
+            self.writer.close()
         with contextlib.suppress(Exception):
             self._metrics_log.close()
         if self._tb is not None:
@@ -139,12 +177,9 @@ class Reporter:
         own = [(t, "supervisor", line) for t, _stream, line in self._output.drain()]
         with self.run.lock:
             lines, self._logs = self._logs + own, []
-        if lines:
+        if lines and self.writer is not None:
             lines.sort(key=lambda x: x[0])
-            try:
-                self.run.store.add_logs(self.run.job_id, lines)
-            except Exception as e:  # noqa: BLE001 - output lines are not worth failing a job over
-                log.warning("could not store %d log line(s): %s", len(lines), e)
+            self.writer.put("logs", self.run.store.add_logs, self.run.job_id, lines)
 
     # ----------------------------------------------------------------- metrics
     def flush_metrics(self) -> None:
@@ -165,9 +200,8 @@ class Reporter:
             if self._tb is not None:
                 self._tb.log_line(r)
         self.last_row = rows[-1]
-        if run.store is not None:
-            with contextlib.suppress(Exception):
-                run.store.add_metrics(run.job_id, rows)
+        if self.writer is not None:
+            self.writer.put("metrics", run.store.add_metrics, run.job_id, rows, row_step=int(rows[-1]["step"]))
         rec = self.recovery
         if rec is not None and rows[-1].get("generation") == run.generation:
             self.finish_recovery(rec, rows[-1])
@@ -222,6 +256,12 @@ class Reporter:
                 self._tb.log_recovery(int(row["step"]), int(rec.generation), str(rec.kind),
                                       f"restored step {restored} from {'/'.join(sources)}")
         where = " and ".join(SOURCE_WORDS.get(x, x) for x in sources)
+        if "fresh" in sources and rec.last_step > 0:
+            allowed = ("fault_tolerance.restart_from_scratch allows it" if self.run.ft.restart_from_scratch
+                       else "the failure came before the first snapshot or checkpoint was saved")
+            self.event("restarted_from_scratch", f"Generation {rec.generation} started again from step 0: there was "
+                       f"no snapshot or persistent checkpoint to restore ({allowed}); {rec.last_step} step(s) "
+                       "are trained again.", generation=rec.generation, last_step=rec.last_step)
         self.event(
             "recovered",
             f"Recovered from {rec.cause} in {total:.2f}s: detect {fmt_s(detect_s)}, re-form {reform_s:.2f}s, "

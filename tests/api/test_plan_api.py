@@ -97,6 +97,9 @@ def test_plan_refuses_bad_bodies_and_params(servers: dict[str, Api]) -> None:
         bad = fields(h.post("/v1/plan", json={"model": {"preset": "tiny", "n_heads": 3}}))
         assert "model" in bad and "n_heads=3" in bad["model"]
         assert "training.steps" in fields(h.post("/v1/plan", json={**TINY, "training": {"steps": 0}}))
+        # Found by fuzzing: a width multiplier near float max overflowed the planner (a 500, not a 422).
+        huge = {"model": {"family": "mistral", "ffn_dim_multiplier": 1.12e308, "n_layers": 223218}}
+        assert "model.ffn_dim_multiplier" in fields(h.post("/v1/plan", json=huge))
         assert "body" in fields(h.post("/v1/plan", content=b"model: [", headers={"Content-Type": "application/yaml"}))
         assert "body" in fields(h.post("/v1/plan", content=b"", headers={"Content-Type": "application/json"}))
         assert "query.gpu" in fields(h.post("/v1/plan", params={"gpus": 8, "gpu": "tpu"}, json=TINY))

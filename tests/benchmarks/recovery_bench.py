@@ -75,6 +75,8 @@ def _ray_train_loop(config: dict[str, Any]) -> None:
     torch.set_num_threads(1)
     ctx = ray.train.get_context()
     rank = ctx.get_world_rank()
+    if config.get("pid_dir"):  # where an outside fault injector finds this attempt's ranks (goodput_bench)
+        Path(config["pid_dir"], str(rank)).write_text(str(os.getpid()))
     cfg = EngineConfig.model_validate(config["engine"])
     trainer = Trainer(cfg, device=torch.device("cpu"))
     ckpt = ray.train.get_checkpoint()
@@ -84,19 +86,20 @@ def _ray_train_loop(config: dict[str, Any]) -> None:
             dcp.load(state, checkpoint_id=d)
             trainer.load_state_dict(state)
     log = Path(config["log"])
-    marker = Path(config["marker"])
+    marker = Path(config.get("marker") or "/nonexistent/none")
     while trainer.step < cfg.training.steps:
-        if rank == 1 and trainer.step == config["kill_after"] and not marker.exists():
+        kill = config.get("kill_after") is not None and trainer.step == config["kill_after"]
+        if rank == 1 and kill and not marker.exists():
             marker.write_text(str(time.time()))
             os._exit(1)
         m = trainer.train_step()
         d = Path(config["ckpt_root"]) / f"step-{trainer.step}"
         dcp.save(trainer.state_dict(), checkpoint_id=str(d))
-        if rank == 0:
-            with log.open("a") as f:
-                f.write(json.dumps({"step": trainer.step, "time": time.time(), "loss": m.loss}) + "\n")
         ray.train.report({"step": trainer.step, "loss": m.loss},
                          checkpoint=ray.train.Checkpoint.from_directory(str(d)) if rank == 0 else None)
+        if rank == 0:  # after the report: a step counts once its checkpoint is registered
+            with log.open("a") as f:
+                f.write(json.dumps({"step": trainer.step, "time": time.time(), "loss": m.loss}) + "\n")
 
 
 def _ray_train(tmp: Path) -> dict[str, float]:

@@ -51,6 +51,7 @@ class Reporter:
         t.record_recovery(JOB, "node_lost")
         t.record_recovery(JOB, "actor_died")
         t.record_heartbeat_age(JOB, 1, 0.75)
+        t.record_store_writes(JOB, 3, 1)
         # A keeper exports its own memory: one held here, in this process, holding 123,456 bytes.
         keeper = Keeper("teltestnode", memory_limit_mb=1)
         keeper.put_shard("teltest", 0, 1, 0, 1, b"", b"", np.zeros(123_456, dtype=np.uint8))
@@ -111,6 +112,8 @@ def test_metrics_reach_prometheus_endpoint(cluster: LocalCluster, reporter: ray.
         _key(p + "unbroken_recoveries_total", job_id=JOB, cause="node_lost"): 2.0,
         _key(p + "unbroken_recoveries_total", job_id=JOB, cause="actor_died"): 1.0,
         _key(p + "unbroken_heartbeat_age_s", job_id=JOB, rank="1"): 0.75,
+        _key(p + "unbroken_store_backlog", job_id=JOB): 3.0,
+        _key(p + "unbroken_store_write_failures", job_id=JOB): 1.0,
         _key(p + "unbroken_keeper_memory_bytes", node="teltestnode"): 123_456.0,
     }
     assert cluster.metrics_export_port is not None

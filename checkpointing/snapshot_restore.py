@@ -90,6 +90,17 @@ def _candidates(
     return cands
 
 
+def _gone(sid: SnapshotId, whose: str) -> str:
+    # One wording whether the listing or a later fetch finds the copies gone (a keeper killed just
+    # now may still answer the listing).
+    return f"step {sid[1]} (generation {sid[0]}): every copy of {whose} shards is gone"
+
+
+def _copies_gone(job_id: str, sid: SnapshotId, rank: int, tried: list[str]) -> str:
+    whose = f"rank(s) [{rank}]'s"
+    return f"job {job_id!r} {_gone(sid, whose)} (tried {tried}); restore from the persistent checkpoint"
+
+
 def _fetch_iter(
     keepers: dict[str, ActorHandle], job_id: str, sid: SnapshotId, order: dict[int, list[str]],
     used: dict[int, str], timeout_s: float,
@@ -102,10 +113,7 @@ def _fetch_iter(
 
         def ask(r: int) -> None:
             if not tries[r]:
-                raise SnapshotLost(
-                    f"job {job_id!r} step {sid[1]} (generation {sid[0]}): every copy of rank {r}'s shard is "
-                    f"gone (tried {order[r]}); restore from the persistent checkpoint"
-                )
+                raise SnapshotLost(_copies_gone(job_id, sid, r, order[r]))
             node = tries[r].pop(0)
             pending[keepers[node].get_blob.remote(job_id, sid[0], sid[1], r)] = (r, node)
 
@@ -159,8 +167,7 @@ def restore_from_keepers(
         lost = [] if w is None else [r for r in range(w) if not held.get(r)]
         if w is not None and not lost:
             break
-        what = "all ranks'" if w is None else f"rank(s) {lost}'s"
-        problems.append(f"step {sid[1]} (generation {sid[0]}): every copy of {what} shards is gone")
+        problems.append(_gone(sid, "all ranks'" if w is None else f"rank(s) {lost}'s"))
     else:
         raise SnapshotLost(
             f"job {job_id!r}: no committed in-memory snapshot is complete on the live keepers ("
@@ -177,10 +184,7 @@ def restore_from_keepers(
 
     def ask_meta(r: int) -> None:
         if not tries[r]:
-            raise SnapshotLost(
-                f"job {job_id!r} step {sid[1]} (generation {sid[0]}): every copy of rank {r}'s shard is gone "
-                f"(tried {order[r]}); restore from the persistent checkpoint"
-            )
+            raise SnapshotLost(_copies_gone(job_id, sid, r, order[r]))
         node = tries[r].pop(0)
         pending[keepers[node].get_meta.remote(job_id, sid[0], sid[1], r)] = r
 

@@ -38,6 +38,8 @@ from service.store import JobRecord, JobStore
 
 log = logging.getLogger(__name__)
 
+GROW_SETTLE_S = 10.0  # how long growth waits for an ended job's workers to be released by Ray
+
 
 def queued_job(rec: JobRecord, spec: Any) -> QueuedJob:
     return QueuedJob(rec.id, rec.owner, rec.priority, rec.seq, rec.min_world, sizing.gang_demand(spec))
@@ -114,6 +116,7 @@ class Scheduler:
         self.handles: dict[str, Any] = {}
         self._active_ids: set[str] = set()
         self._freed_by: str | None = None
+        self._ended_at = -1e18  # monotonic time the last admitted job ended
         self.decisions: Counter[str] = Counter()  # admit / shrink / grow: exported as a Prometheus counter
         self.demand = autoscaler.DemandRequest()  # queued demand, asked of Ray's autoscaler
 
@@ -180,6 +183,7 @@ class Scheduler:
             ids = {rec.id for rec in active}
             for gone in sorted(self._active_ids - ids):
                 self._freed_by = gone  # the last job that ended: what growth names as the cause
+                self._ended_at = time.monotonic()
             self._active_ids = ids
             if not queue_recs and not active:
                 self.demand.update([])
@@ -201,7 +205,11 @@ class Scheduler:
             snap = Snapshot(total, free, tuple(running),
                             tuple(queued_view(r, specs[r.id], total) for r in queue_recs),
                             self.store.owner_weights(), self.quotas)
-            plan = policies.plan(snap, "shrink", freed_by=self._freed_by)
+            # A job that just ended frees its workers one by one; Ray's count trails ours meanwhile. Growth
+            # waits for it (a while: other users' tasks also hold what we do not count).
+            releasing = any(available.get(k, 0.0) + 1e-9 < total.get(k, 0.0) - reserved.get(k, 0.0) for k in total)
+            settling = releasing and time.monotonic() - self._ended_at < GROW_SETTLE_S
+            plan = policies.plan(snap, "shrink", freed_by=self._freed_by, grow=not settling)
             for job_id, why in plan.waiting.items():
                 if self._last_wait_reason.get(job_id) != why:
                     self._last_wait_reason[job_id] = why

@@ -294,6 +294,19 @@ class NodeAgent:
         if urgent:
             self._wake.set()
 
+    def sync(self, timeout_s: float = 10.0) -> None:
+        """Send what is pending now and return once the supervisor has taken it (through the leader when
+        this agent has one). A rank calls it before its run returns, so a fast job's last rows and acks
+        reach the supervisor before it sees the run end."""
+        import ray  # the simulator drives this class's aggregator without Ray
+
+        with self._lock:
+            batch = self.agg.flush(time.time())
+            upstream = self.upstream
+        ray.get(upstream.report.remote(batch), timeout=timeout_s)
+        if upstream is not self.supervisor:
+            ray.get(upstream.sync.remote(timeout_s), timeout=timeout_s)
+
     # ----------------------------------------------------------------- loops
     def _handles(self) -> list[LocalRank]:
         with self._lock:

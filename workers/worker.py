@@ -258,6 +258,9 @@ class Worker:
         gc.collect()
         leave_group(abort=not ok)  # NCCL: abort the communicators before destroying a broken group
         self.phase = "finished" if result.status == RunStatus.FINISHED else "idle"
+        if self._agent is not None:  # the agent batches notes: this run's last ones go before its result
+            with contextlib.suppress(Exception):
+                ray.get(self._agent.sync.remote(), timeout=15)
         if device_is_cuda():
             torch.cuda.empty_cache()
         return result

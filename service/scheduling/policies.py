@@ -175,9 +175,10 @@ def plan_growth(free: Resources, jobs: Sequence[JobView], weights: Mapping[str, 
 
 
 # ----------------------------------------------------------------------------- one pass
-def plan(s: Snapshot, mode: Mode = "shrink", *, freed_by: str | None = None) -> Plan:
+def plan(s: Snapshot, mode: Mode = "shrink", *, freed_by: str | None = None, grow: bool = True) -> Plan:
     """One scheduling pass over the snapshot (see the module's docstring). `freed_by` names what freed
-    capacity since the last pass (for the growth events' reason)."""
+    capacity since the last pass (for the growth events' reason); grow=False holds growth this pass
+    (capacity is still being released: growing into part of it would resize twice)."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} must be one of {MODES}")
     queued = by_id(s.queued)
@@ -208,6 +209,8 @@ def plan(s: Snapshot, mode: Mode = "shrink", *, freed_by: str | None = None) -> 
             victims = select_preemptions(job, soon, s.running)
             if victims:
                 out.preempt.extend(victims)
+        return out
+    if not grow:
         return out
     why = f"capacity freed by job {freed_by}" if freed_by else "capacity is free"
     jobs = [*s.running, *started]

@@ -182,6 +182,7 @@ class Supervisor:
         finally:
             with contextlib.suppress(Exception):
                 self.reporter.flush_metrics()
+                self.reporter.settle_recovery()
             self._release_all()
             self.reporter.flush_logs()
             self.reporter.close_outputs()

@@ -54,6 +54,7 @@ class Reporter:
         self.last_row: dict[str, Any] | None = None
         self.checkpoints_written = 0  # persistent checkpoints this supervisor saw written
         self.recovery: RecoveryTiming | None = None
+        self._recovered_row: dict[str, Any] | None = None  # the new generation's first row, kept until formed
         self.writer = StoreWriter(run.store, run.job_id, self.event) if run.store is not None else None
 
     def settle_store(self, timeout_s: float = 2.0) -> None:
@@ -202,9 +203,21 @@ class Reporter:
         self.last_row = rows[-1]
         if self.writer is not None:
             self.writer.put("metrics", run.store.add_metrics, run.job_id, rows, row_step=int(rows[-1]["step"]))
-        rec = self.recovery
-        if rec is not None and rows[-1].get("generation") == run.generation:
-            self.finish_recovery(rec, rows[-1])
+        if self.recovery is not None and rows[-1].get("generation") == run.generation:
+            self._recovered_row = self._recovered_row or rows[-1]
+        self._finish_recovery_when_formed()
+
+    def _finish_recovery_when_formed(self, *, at_end: bool = False) -> None:
+        """The recovery ends at its generation's first row, told once every rank's `formed` note is in: a
+        threaded actor may take a rank's first metrics before its `formed`, whose restore source the
+        event names. At the end of the job it is told with what came."""
+        rec, row = self.recovery, self._recovered_row
+        if rec is None or row is None:
+            return
+        with self.run.lock:
+            formed = sum(1 for m in self.run.formed.values() if m.generation == rec.generation)
+        if at_end or formed >= self.run.dp * self.run.mp:
+            self.finish_recovery(rec, row)
 
     def export_heartbeat_ages(self, slots: list[Any], hbs: dict[str, tuple[float, Note]],
                               now: float) -> None:  # fmt: skip
@@ -221,19 +234,23 @@ class Reporter:
 
     # ----------------------------------------------------------------- recovery timing
     def begin_recovery(self, rec: RecoveryTiming) -> None:
-        self.recovery = rec
+        self.recovery, self._recovered_row = rec, None
 
     def close_recovery(self) -> None:
         """An earlier recovery still replaying ends here, with what it reached."""
         if self.recovery is not None:
-            self.finish_recovery(self.recovery, None)
+            self.finish_recovery(self.recovery, self._recovered_row)
+
+    def settle_recovery(self) -> None:
+        """At the end of the job: a recovery whose first row came is told, even with a `formed` missing."""
+        self._finish_recovery_when_formed(at_end=True)
 
     def finish_recovery(self, rec: RecoveryTiming, row: dict[str, Any] | None) -> None:
         """The one `recovered` event of a recovery, once its generation completed a step (`row`): the
         cause first, then the phases in order. With row=None the recovery was cut short (a new failure
         before its first step) and says so instead."""
         now = time.time()
-        self.recovery = None
+        self.recovery, self._recovered_row = None, None
         if row is None:
             self.event("recovery_interrupted", f"The recovery into generation {rec.generation} was "
                        "interrupted by a new failure before its first step.", generation=rec.generation)

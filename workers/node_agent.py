@@ -31,6 +31,36 @@ CHECK_S = 0.1  # how often the agent looks at its ranks' processes
 # them), which sends one batch for the group. A Ray call costs its receiver ~0.2 ms of CPU here
 # (scale_bench measures it), so 1,250 nodes' batches 4 times a second would take a core.
 FANIN = 16
+# Silence that counts, on a loaded host: a multiple of the longest gap recently seen between a peer's
+# messages, so a machine where every thread is starved for a second (load 40-90 on 2 cores) raises the
+# bar for all, and a quiet one keeps the base. A long gap is forgotten with this half-life.
+PATIENCE_FACTOR = 3.0
+PATIENCE_HALF_LIFE_S = 60.0
+PATIENCE_CEILING_S = 30.0
+
+
+@dataclass
+class Patience:
+    """How long a peer may be silent before it is suspect: `base_s`, or PATIENCE_FACTOR x the longest
+    recent gap between its messages (decaying with PATIENCE_HALF_LIFE_S), at most PATIENCE_CEILING_S."""
+
+    base_s: float
+    factor: float = PATIENCE_FACTOR
+    half_life_s: float = PATIENCE_HALF_LIFE_S
+    ceiling_s: float = PATIENCE_CEILING_S
+    worst_s: float = 0.0  # the longest gap seen, as of `at`
+    at: float = 0.0
+
+    def recent(self, now: float) -> float:
+        """The longest gap seen, decayed to `now`."""
+        return self.worst_s * 0.5 ** (max(0.0, now - self.at) / self.half_life_s)
+
+    def observe(self, gap_s: float, now: float) -> None:
+        if gap_s >= self.recent(now):
+            self.worst_s, self.at = gap_s, now
+
+    def limit(self, now: float) -> float:
+        return min(max(self.ceiling_s, self.base_s), max(self.base_s, self.factor * self.recent(now)))
 
 
 def agent_groups(nodes: list[str], fanin: int = FANIN) -> dict[str, list[str]]:
@@ -73,6 +103,9 @@ class NodeAggregator:
     """Folds a node's rank notes into NodeBatch messages and finds its lost ranks (no Ray, no threads:
     the caller serialises calls)."""
 
+    send_on_acks = True  # a batch goes at once when a snapshot's acks are all in (False: at the interval; the
+    # scale bench compares both)
+
     def __init__(self, name: str, node: str, heartbeat_timeout_s: float) -> None:
         if heartbeat_timeout_s <= 0:
             raise ValueError(f"heartbeat_timeout_s={heartbeat_timeout_s}: must be > 0 "
@@ -85,13 +118,24 @@ class NodeAggregator:
         self.seq = 0
         self._p = _Pending()
         self.members: dict[str, float] = {}  # as a group's leader: member node -> when its batch last came
-        self.member_timeout_s = 0.0
+        self.member_patience = Patience(0.0)
+        self.written_off: dict[str, float] = {}  # members said lost -> last heard; watched again if heard again
+        # Snapshot acks, to send a batch the moment a step's are all in: (generation, step) -> acks counted
+        # (own ranks' and members'), the steps already sent at once, and each member's live ranks.
+        self._acked: dict[tuple[int, int], int] = {}
+        self._acks_done: set[tuple[int, int]] = set()
+        self.member_ranks: dict[str, int] = {}
 
     def lead(self, members: list[str], now: float, timeout_s: float) -> None:
         """Lead a group: the members' agents send their batches here; one silent for over timeout_s is
         a lost node (said in the next batch, sent at once)."""
         self.members = {m: now for m in members if m != self.node}
-        self.member_timeout_s = timeout_s
+        self.member_patience = Patience(timeout_s)
+        self.written_off.clear()
+
+    @property
+    def member_timeout_s(self) -> float:
+        return self.member_patience.base_s
 
     # ----------------------------------------------------------------- ownership
     def own(self, worker: str, rank: int, generation: int, pid: int | None, now: float, handle: Any = None) -> None:
@@ -99,15 +143,25 @@ class NodeAggregator:
         if generation > self.generation:
             self.generation = generation
             self._p.steps.clear()  # an older generation's timings mean nothing to the new one
+            self._acked.clear()
+            self._acks_done.clear()
+            self.member_ranks.clear()  # members say theirs for the new generation in their next batch
         self.ranks[worker] = LocalRank(worker, rank, generation, pid, now, handle)
 
     def release(self, worker: str) -> None:
         self.ranks.pop(worker, None)
 
+    def ranks_of(self, generation: int) -> list[int]:
+        """The global ranks this node's ranks have in `generation` (its rendezvous: workers.group)."""
+        return sorted(r.rank for r in self.ranks.values() if r.generation == generation)
+
     # ----------------------------------------------------------------- intake
     def collect(self, note: Note, now: float) -> bool:
-        """A note from one of this node's ranks; True when it should go on at once (a chaos fault is
-        about to act: the supervisor names it as the cause only if its note comes first)."""
+        """A note from one of this node's ranks (or, to a leader, a member's batch); True when the batch
+        should go now: a chaos fault is about to act (the supervisor names it as the cause only if its
+        note comes first), a rank or node was lost, or a snapshot's acks are all in (its commit would
+        otherwise wait up to an interval). Still O(nodes) messages a step: one more batch per agent per
+        snapshot, and the interval restarts after it."""
         if isinstance(note, NodeBatch):
             return self._absorb(note, now)
         r = self.ranks.get(note.worker)
@@ -128,13 +182,14 @@ class NodeAggregator:
             if note.metrics is not None:
                 p.notes.append(note)  # rank 0's metrics row: the supervisor writes it
         elif isinstance(note, SnapshotAck):
+            key = (note.generation, note.step)
             if note.ok:
-                key = (note.generation, note.step)
                 p.acks.setdefault(key, []).append(note.rank)
                 p.ack_world[key] = note.world_size
             else:
                 p.ack_failures += 1
                 p.notes.append(note)  # rare: the supervisor counts it and keeps its errors
+            return self._count_acks(key, 1)  # every rank answered: send now, the commit waits on it
         else:
             p.notes.append(note)  # Formed, CheckpointReport, FaultNote: rare, relayed as they are
             return isinstance(note, FaultNote)
@@ -142,7 +197,13 @@ class NodeAggregator:
 
     def _absorb(self, b: NodeBatch, now: float) -> bool:
         """A member's batch, folded into this leader's next one; True when it reports a loss."""
+        if b.generation == self.generation:
+            self.member_ranks[b.node] = b.ranks
         if b.node in self.members:
+            self.member_patience.observe(now - self.members[b.node], now)
+            self.members[b.node] = now
+        elif b.node in self.written_off:  # it was slow, not lost (the supervisor confirms either way):
+            self.member_patience.observe(now - self.written_off.pop(b.node), now)  # more patience from now
             self.members[b.node] = now
         p = self._p
         for step, timings in b.steps.items():
@@ -158,7 +219,38 @@ class NodeAggregator:
         p.lost_nodes.update(b.lost_nodes)
         p.notes.extend(b.notes)
         p.logs.extend(b.rank_logs)
-        return bool(b.lost or b.lost_nodes or any(isinstance(n, FaultNote) for n in b.notes))
+        answered = {key: len(ranks) for key, ranks in b.acks.items()}
+        for n in b.notes:  # failed acks travel as notes: they are answers too
+            if isinstance(n, SnapshotAck) and not n.ok:
+                answered[(n.generation, n.step)] = answered.get((n.generation, n.step), 0) + 1
+        acks_in = False
+        for key, count in answered.items():
+            acks_in = self._count_acks(key, count) or acks_in
+        return acks_in or bool(b.lost or b.lost_nodes or any(isinstance(n, FaultNote) for n in b.notes))
+
+    def answers_for(self) -> int | None:
+        """The live ranks of the current generation this agent answers for: its own, and as a leader its
+        members' (None until every member has said its count in this generation)."""
+        own = sum(1 for r in self.ranks.values() if r.generation == self.generation and not r.lost)
+        if any(m not in self.member_ranks for m in self.members):
+            return None
+        return own + sum(self.member_ranks[m] for m in self.members)
+
+    def _count_acks(self, key: tuple[int, int], n: int) -> bool:
+        """Count n answers for a snapshot; True the first time all ranks answered for have (send now)."""
+        if not self.send_on_acks or key[0] != self.generation or key in self._acks_done:
+            return False
+        self._acked[key] = got = self._acked.get(key, 0) + n
+        want = self.answers_for()
+        if want is None or got < want:
+            return False
+        self._acks_done.add(key)
+        del self._acked[key]
+        for old in [k for k in self._acked if k[1] < key[1] - 16]:  # steps that never completed here
+            del self._acked[old]
+        if len(self._acks_done) > 64:
+            self._acks_done = {k for k in self._acks_done if k[1] >= key[1] - 16}
+        return True
 
     # ----------------------------------------------------------------- watching
     def check(self, now: float, state_of: Callable[[LocalRank], str]) -> bool:
@@ -185,10 +277,12 @@ class NodeAggregator:
             r.lost = True
             self._p.lost.append(RankLost(r.worker, r.rank, r.generation, kind, detail, t_fault, now))
             found = True
+        limit = self.member_patience.limit(now)
         for m, seen in list(self.members.items()):
-            if now - seen > self.member_timeout_s:
+            if now - seen > limit:
                 self._p.lost_nodes[m] = seen
-                del self.members[m]  # said once
+                del self.members[m]  # said once, watched again if its batches come back
+                self.written_off[m] = seen
                 found = True
         return found
 
@@ -208,7 +302,7 @@ class NodeAggregator:
         return NodeBatch(self.name, self.generation, -1, now, node=self.node, seq=self.seq, max_step=p.max_step,
                          max_step_time_s=p.max_step_time_s, steps=p.steps, acks=p.acks, ack_world=p.ack_world,
                          ack_failures=p.ack_failures, beats=beats, lost=p.lost, notes=p.notes, rank_logs=p.logs,
-                         members=members, lost_nodes=p.lost_nodes)
+                         members=members, lost_nodes=p.lost_nodes, ranks=self.answers_for() or 0)
 
 
 def process_state(pid: int | None) -> str:
@@ -262,6 +356,13 @@ class NodeAgent:
         with self._lock:
             self.upstream = upstream if upstream is not None else self.supervisor
             self.agg.lead(members, time.time(), member_timeout_s)
+
+    def local_ranks(self, generation: int) -> list[int]:
+        """This node's ranks in `generation`: each of them asks before joining, so the node's lowest rank
+        leads its node's two-level rendezvous (workers.group.rendezvous). The supervisor told this agent
+        (`own`) before it started any rank's run, so every rank of the node gets the same answer."""
+        with self._lock:
+            return self.agg.ranks_of(generation)
 
     def release(self, workers: list[str]) -> None:
         with self._lock:

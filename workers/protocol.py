@@ -162,3 +162,6 @@ class NodeBatch(Note):
     # members it found silent (node -> last heard): those nodes are lost.
     members: dict[str, float] = field(default_factory=dict)
     lost_nodes: dict[str, float] = field(default_factory=dict)
+    # How many live ranks of `generation` the sending agent answers for (a leader: with its members'): an
+    # agent sends at once when a snapshot's acks from all of them are in (the commit waits on no interval).
+    ranks: int = 0

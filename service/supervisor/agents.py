@@ -3,18 +3,26 @@
 A batch updates the job's shared state as its ranks' own notes would have (step timings for the
 straggler policy, snapshot acks for the committer, the relayed rare notes through the actor's inbox),
 and the tracker keeps what the supervisor watches per node instead of per rank: when each agent was
-last heard from (a node whose agent falls silent for `timeout_s` is lost, before Ray's health check
-says so), the newest step and slowest step time seen, and the ranks the agents saw lost. Every call
-is O(1) per node, plus O(ranks on the node) only for the data a batch carries.
+last heard from, the newest step and slowest step time seen, and the ranks the agents saw lost. Every
+call is O(1) per node, plus O(ranks on the node) only for the data a batch carries.
+
+A node whose agent falls silent (for `timeout_s` here, or as its group leader saw it) is a suspect,
+not yet lost: on a loaded host a healthy agent's threads can be starved for seconds. `judge` writes a
+suspect off when Ray's node table says its node is dead, when its agent is gone (a ping fails), or when
+its agent has not answered a ping for the patience, a multiple of the longest gap recently seen between
+batches (workers.node_agent.Patience). An agent that answers was slow, not lost: it counts as heard
+from, and the patience grows with its silence.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from service.supervisor.context import JobRun
+from workers.node_agent import Patience
 from workers.protocol import NodeBatch, Note, RankLost
 
 AGENT_INTERVAL_S = 0.25  # an agent's batch interval (it sends at once when a rank is lost)
@@ -27,6 +35,18 @@ SERVICE_AGENT_MISSES = 8
 # A group leader writes off a silent member's node sooner (4 intervals: 1 s, inside Ray's 1.4 s with the
 # health-check settings of NOTES.md): a mistake there needs a member's agent starved for a second.
 SERVICE_MEMBER_MISSES = 4
+# The least time a suspect's agent has to answer a ping before its node is written off without Ray's
+# word; more on a loaded host (Patience: 3x the longest recent gap between batches).
+PING_PATIENCE_S = 1.0
+NODE_TABLE_EVERY_S = 0.5  # Ray's node table is read at most this often, and only while there are suspects
+
+
+@dataclass
+class Suspect:
+    node: str
+    since: float  # when its agent was last heard of
+    found: float  # when it became a suspect
+    leader: str | None  # the group leader that found it silent (None: found silent here)
 
 
 @dataclass
@@ -49,6 +69,12 @@ class AgentTracker:
     max_step_time_s: float = 0.0
     batches: int = 0
     handles: dict[str, Any] = field(default_factory=dict)  # node -> its agent actor (service only)
+    lost_by: dict[str, str] = field(default_factory=dict)  # node in lost_nodes -> the leader that found it silent
+    suspects: dict[str, Suspect] = field(default_factory=dict)  # silent nodes not yet written off (judge)
+    patience: Patience = field(default_factory=lambda: Patience(PING_PATIENCE_S))
+    false_alarms: int = 0  # suspects whose agent answered
+    pings: dict[str, Any] = field(default_factory=dict)  # node -> its agent's outstanding ping (service only)
+    _node_table: tuple[float, set[str]] = (-1e18, set())  # (when read, the names of dead nodes)
     _hb_synced: dict[str, float] = field(default_factory=dict)  # node -> when its ranks' run.hb was updated
 
     @property
@@ -64,6 +90,9 @@ class AgentTracker:
             self.forget(n)
         self.reporters = set(nodes if reporters is None else reporters)
         self.lost_nodes.clear()
+        self.lost_by.clear()
+        self.suspects.clear()
+        self.pings.clear()
 
     def forget(self, node: str) -> None:
         for d in (self.seen, self.last_seq, self.beats):
@@ -76,6 +105,8 @@ class AgentTracker:
         # No batch is dropped for coming late: the supervisor is a threaded actor, so Ray may run an
         # agent's batch n+1 before batch n, and each carries acks and metrics rows of its own.
         self.last_seq[b.node] = max(b.seq, self.last_seq.get(b.node, 0))
+        if b.node in self.reporters and b.node in self.seen:  # how late batches come: the patience's measure
+            self.patience.observe(now - self.seen[b.node], now)
         if b.node in self.seen or not self.seen:
             self.seen[b.node] = max(now, self.seen.get(b.node, now))
         for n, t in b.members.items():  # a leader's batch: its members as it last heard them
@@ -83,10 +114,11 @@ class AgentTracker:
                 self.seen[n] = now - max(0.0, b.time - t)
         for n, t in b.lost_nodes.items():
             if n not in self.lost_nodes and self.event is not None:
-                self.event("agent_lost", f"The agent of node {n} fell silent ({b.time - t:.1f}s), seen by the agent of "
-                           f"node {b.node}, its group's leader: node {n} is lost.", node=n, leader=b.node,
-                           silent_s=round(b.time - t, 3))
+                self.event("agent_silent", f"The agent of node {n} fell silent ({b.time - t:.1f}s), seen by the agent "
+                           f"of node {b.node}, its group's leader: checking whether node {n} is lost.", node=n,
+                           leader=b.node, silent_s=round(b.time - t, 3))
             self.lost_nodes.setdefault(n, t)
+            self.lost_by.setdefault(n, b.node)
         self.beats[b.node] = b.beats
         if now - self._hb_synced.get(b.node, -1e18) >= 1.0:  # once a second a node: the gauge's rate
             self._hb_synced[b.node] = now
@@ -132,6 +164,55 @@ class AgentTracker:
             out += [(n, seen[n]) for n in self.reporters if n in seen and now - seen[n] > limit
                     and n not in self.lost_nodes]
             return out
+
+    def judge(self, silent: list[tuple[str, float]], now: float, pings: dict[str, str],
+              dead_nodes: set[str]) -> list[tuple[str, float]]:  # fmt: skip
+        """Of the silent nodes (`silent()`), those to write off now: Ray's node table says the node is dead
+        (`dead_nodes`: the names it lists as dead and not also alive; empty: not known), its agent's ping failed
+        (`pings[node]` 'died'), or it has not answered ('pending', or 'none': no agent to ask) for the
+        patience. 'answered': the agent was slow, not lost; it counts as heard from now. Call from one
+        thread (the watch loop); each node is written off once."""
+        heard = {n for n, _ in silent}
+        for n in [n for n in self.suspects if n not in heard]:  # heard from again meanwhile
+            del self.suspects[n]
+        patience = self.patience.limit(now)
+        out: list[tuple[str, float]] = []
+        for n, since in silent:
+            s = self.suspects.get(n)
+            if s is None:
+                s = self.suspects[n] = Suspect(n, since, now, self.lost_by.get(n))
+            outcome = pings.get(n, "none")
+            if outcome == "answered":
+                self._answered(s, now)
+                continue
+            if outcome == "died":
+                why = "its agent is gone (Ray says the actor died)"
+            elif n in dead_nodes:
+                why = "Ray's node table says the node is dead"
+            elif now - s.found > patience:
+                why = f"its agent did not answer a ping for {now - s.found:.1f}s (patience {patience:.1f}s)"
+            else:
+                continue
+            out.append((n, since))
+            if self.event is not None:
+                by = f", seen by the agent of node {s.leader}, its group's leader" if s.leader else ""
+                self.event("agent_lost", f"Node {n} is lost: its agent fell silent {now - since:.1f}s ago{by}, and "
+                           f"{why}.", node=n, leader=s.leader, silent_s=round(now - since, 3), reason=why)
+        return out
+
+    def _answered(self, s: Suspect, now: float) -> None:
+        del self.suspects[s.node]
+        self.false_alarms += 1
+        self.patience.observe(now - s.since, now)  # a silence this long was not a loss: wait longer next time
+        with self.run.lock:
+            if s.node in self.seen:
+                self.seen[s.node] = now
+            self.lost_nodes.pop(s.node, None)
+            self.lost_by.pop(s.node, None)
+        if self.event is not None:
+            self.event("agent_answered", f"The agent of node {s.node} answered after {now - s.since:.1f}s of silence: "
+                       f"the node was slow, not lost; patience now {self.patience.limit(now):.1f}s.", node=s.node,
+                       silent_s=round(now - s.since, 3), patience_s=round(self.patience.limit(now), 3))
 
     def heartbeat_ages(self, now: float) -> dict[str, float]:
         """worker -> seconds since its agent last heard from it (for the heartbeat-age gauge)."""
@@ -184,31 +265,49 @@ def start_agents(tracker: AgentTracker, slots: list[Any], generation: int, timeo
 
 
 
-def confirm_silent(tracker: AgentTracker, silent: list[tuple[str, float]], timeout_s: float = 1.0,
-                   ) -> list[tuple[str, float]]:  # fmt: skip
-    """Of the nodes found silent, those whose agent does not answer a ping within timeout_s. An agent
-    starved on a loaded host answers late, but answers; a lost node's never does. Those that answer
-    count as heard from now."""
+def confirm_silent(tracker: AgentTracker, silent: list[tuple[str, float]]) -> list[tuple[str, float]]:
+    """Of the nodes found silent, those to write off now (AgentTracker.judge), asking Ray: each suspect's
+    agent gets a ping (answered on a later call if not at once: this never blocks the watch loop), and
+    Ray's node table is read while there are suspects. A lost node's agent never answers; a starved one
+    answers late."""
     import time
 
     import ray
+    from ray.exceptions import ActorUnavailableError
 
-    refs = {n: tracker.handles[n].ping.remote() for n, _ in silent if n in tracker.handles}
-    if not refs:
-        return silent
-    ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
-    alive = set()
-    for n, ref in refs.items():
-        if ref in ready:
-            try:
-                ray.get(ref, timeout=0.001)
-                alive.add(n)
-            except Exception:  # noqa: BLE001, S112 - a dead agent's ping fails: its node is lost
-                continue
-    if alive:
-        now = time.time()
-        with tracker.run.lock:
-            for n in alive:
-                tracker.seen[n] = now
-                tracker.lost_nodes.pop(n, None)
-    return [(n, t) for n, t in silent if n not in alive]
+    from checkpointing.keeper import node_name_of
+
+    if not silent and not tracker.suspects:
+        return []
+    now = time.time()
+    pings: dict[str, str] = {}
+    for n, _ in silent:
+        if n in tracker.handles and n not in tracker.pings:
+            with contextlib.suppress(Exception):  # a dead handle fails below, when its ping is read
+                tracker.pings[n] = tracker.handles[n].ping.remote()
+    for n in [n for n in tracker.pings if n not in {m for m, _ in silent}]:
+        tracker.pings.pop(n)  # heard from again
+    refs = list(tracker.pings.values())
+    ready = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) if refs else set()
+    for n, ref in list(tracker.pings.items()):
+        if ref not in ready:
+            pings[n] = "pending"
+            continue
+        del tracker.pings[n]  # read once; a new ping goes out on the next call if need be
+        try:
+            ray.get(ref, timeout=0.001)
+            pings[n] = "answered"
+        except ActorUnavailableError:  # Ray's "suspect, not dead" (NOTES.md): ask again
+            pings[n] = "pending"
+        except Exception:  # noqa: BLE001 - the actor died (with its node, or alone)
+            pings[n] = "died"
+    when, dead = tracker._node_table
+    if silent and now - when >= NODE_TABLE_EVERY_S:
+        try:
+            table = ray.nodes()
+            alive = {node_name_of(x) for x in table if x.get("Alive")}
+            dead = {node_name_of(x) for x in table if not x.get("Alive")} - alive  # a name may come back
+        except Exception:  # noqa: BLE001 - the GCS busy: judge on the pings alone
+            dead = set()
+        tracker._node_table = (now, dead)
+    return tracker.judge(silent, now, pings, dead)

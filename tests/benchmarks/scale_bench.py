@@ -7,8 +7,11 @@ failure kind (fault -> failure found by the supervisor), detection -> re-form de
 and agent CPU (fraction of one core, CPU per step), messages/s into the supervisor, the supervisor's
 state in memory. Three control paths at each size: `tree` (ranks -> node agent -> group leader agent
 -> supervisor, 16 nodes a group: the design), `node` (every node agent sends to the supervisor: one
-message per node per interval) and `flat` (today's: every rank reports to the supervisor, which
-watches every rank), the baseline measured in the same run.
+message per node per interval) and `flat` (every rank reports to the supervisor, which watches
+every rank), the baselines measured in the same run; and `tree-i`, the tree with snapshot acks sent
+only at the agents' interval (before agents sent a batch the moment a snapshot's acks were all in),
+to show what that costs the commit: `commit p50/p99` is the time from a step's last ack to its commit
+by the supervisor (its watch loop polls every 50 ms).
 
 Ray's own cost of receiving a call is measured here first (a real actor on a one-node Ray: receiver
 CPU per call, for one rank's heartbeat and for a group's batch) and charged to every message the
@@ -17,7 +20,7 @@ simulated supervisor and agents receive; without Ray (--no-ray) it is left out a
 Goals at 10,000 ranks and 1 step/s: detection <= 1 s p99 (death, node loss: the failures the path
 itself must see; a hang is seen after heartbeat_timeout_s by definition and a straggler after its
 patience in steps, both printed), decision <= 0.5 s, supervisor <= 20% of one core.
-Run: python -m tests.benchmarks.scale_bench [RANKS ...] [--no-ray]
+Run: python -m tests.benchmarks.scale_bench [RANKS ...] [--no-ray]   (e.g. `1000` alone: ~1 min)
 """
 
 from __future__ import annotations
@@ -34,7 +37,9 @@ SIZES = (1000, 4000, 10000)
 FAST_KINDS = ("death", "node_loss")  # detect_p99_s of the last line: the failures the goal is about
 
 
-MODES = {"tree": ("agents", 16), "node": ("agents", 1), "flat": ("flat", 1)}
+# label -> (mode, fanin, agents send at once when a snapshot's acks are all in)
+MODES = {"tree": ("agents", 16, True), "tree-i": ("agents", 16, False), "node": ("agents", 1, True),
+         "flat": ("flat", 1, True)}
 
 
 def _trials(label: str) -> dict[str, int]:
@@ -105,10 +110,10 @@ def run(sizes: tuple[int, ...] = SIZES, modes: tuple[str, ...] = tuple(MODES), r
     rows = []
     for n in sizes:
         for label in modes:
-            mode, fanin = MODES[label]
+            mode, fanin, on_acks = MODES[label]
             t0 = time.perf_counter()
             r = simulate(Params(n, mode=mode, fanin=fanin, trials=_trials(label), gap_s=1.0, recv_cpu_s=recv[0],
-                                recv_cpu_per_rank_s=recv[1]))
+                                recv_cpu_per_rank_s=recv[1], send_on_acks=on_acks))
             r["wall_s"], r["label"] = time.perf_counter() - t0, label
             rows.append(r)
     return rows
@@ -130,28 +135,30 @@ def report(rows: list[dict[str, Any]], recv: tuple[float, float]) -> str:
              f"Ray receive cost charged per message: {recv[0] * 1e6:.0f} us + {recv[1] * 1e6:.2f} us per rank carried"
              + (" (measured now)" if recv[0] else " (NOT measured: --no-ray)")]
     head = (f"{'ranks':>6} {'path':>6} {'nodes':>5} | " + " ".join(f"{k + ' p50/p99 s':>20}" for k in KINDS)
-            + f" | {'decide s':>8} {'sup cpu':>7} {'cpu/step':>9} {'agent max':>9} {'msgs/s':>7} {'sup MB':>6}")
+            + f" | {'decide s':>8} {'sup cpu':>7} {'cpu/step':>9} {'agent max':>9} {'msgs/s':>7} {'sup MB':>6}"
+            + f" | {'commit p50/p99 s':>16}")
     lines.append(head)
     for r in rows:
         kinds = " ".join(f"{r[k]['p50']:>9.3f}/{r[k]['p99']:<7.3f}(n={r[k]['n']:<2})" if r[k]["n"] else f"{'-':>20}"
                          for k in KINDS)
         lines.append(f"{r['ranks']:>6} {r['label']:>6} {r['nodes']:>5} | {kinds} | {decide_p99(r):>8.4f} "
                      f"{r['sup_cpu_frac']:>6.1%} {r['sup_cpu_per_step_s'] * 1e3:>7.1f}ms "
-                     f"{r['agent_cpu_max_frac']:>8.2%} {r['msgs_per_s']:>7.0f} {r['sup_state_mb']:>6.1f}"
+                     f"{r['agent_cpu_max_frac']:>8.2%} {r['msgs_per_s']:>7.0f} {r['sup_state_mb']:>6.1f} | "
+                     f"{r['commit_lag_p50']:>7.3f}/{r['commit_lag_p99']:<7.3f}"
                      + ("  OVERLOADED: the supervisor fell behind for good" if r["overloaded"] else ""))
         if r["wrong"]:
             lines.append(f"       misdetected: {r['wrong'][:3]}")
     by = {(r["ranks"], r["label"]): r for r in rows}
     for n in sorted({r["ranks"] for r in rows}):
         a = by.get((n, "tree"))
-        for base in ("node", "flat"):
+        for base in ("tree-i", "node", "flat"):
             f = by.get((n, base))
             if a and f:
                 lines.append(f"{n:>6} ranks: supervisor CPU {base}/tree {f['sup_cpu_frac'] / a['sup_cpu_frac']:.1f}x, "
                              f"messages {base}/tree {f['msgs_per_s'] / a['msgs_per_s']:.1f}x")
-    top = max((r for r in rows if r["label"] == "tree"), key=lambda r: r["ranks"])
-    lines.append(f"scale: ranks={top['ranks']} detect_p99_s={detect_p99(top):.3f} decide_s={decide_p99(top):.4f} "
-                 f"supervisor_cpu_frac={top['sup_cpu_frac']:.3f}")
+    for top in sorted((r for r in rows if r["label"] == "tree"), key=lambda r: r["ranks"]):  # the largest last
+        lines.append(f"scale: ranks={top['ranks']} detect_p99_s={detect_p99(top):.3f} decide_s={decide_p99(top):.4f} "
+                     f"supervisor_cpu_frac={top['sup_cpu_frac']:.3f}")
     return "\n".join(lines)
 
 

@@ -77,6 +77,8 @@ class _Sim:
             interval_s=p.agent_interval_s, misses=p.agent_misses, member_misses=p.agent_misses)
         self.nodes = [f"n{i:05d}" for i in range(p.ranks // p.per_node)]
         self.agents = {n: NodeAggregator(f"job-sim/agent-{n}", n, p.heartbeat_timeout_s) for n in self.nodes}
+        for a in self.agents.values():
+            a.send_on_acks = p.send_on_acks
         self.groups = agent_groups(self.nodes, p.fanin)
         self.leader_of = {m: lead for lead, members in self.groups.items() for m in members}
         self.node_up = dict.fromkeys(self.nodes, True)
@@ -87,6 +89,9 @@ class _Sim:
         self.clock = _VirtualClock()
         self.sup_free = 0.0  # the supervisor's virtual clock: busy until then
         self.agent_free = dict.fromkeys(self.nodes, 0.0)
+        self.last_flush = dict.fromkeys(self.nodes, -1e9)  # an agent's interval restarts after each batch
+        self.acks_sent: dict[tuple[int, int], float] = {}  # (generation, step) -> when its last ack was sent
+        self.commit_lag: list[float] = []  # from a step's last ack to its commit by the supervisor
         self.sup_cpu = 0.0
         self.sup_ray_cpu = 0.0  # of which Ray's receiving (recv_cpu_s per message)
         self.agent_cpu = dict.fromkeys(self.nodes, 0.0)
@@ -164,7 +169,9 @@ class _Sim:
     def _deliver(self, node: str, t: float, note: Any) -> None:
         """A rank's note: to its agent, or (flat) to the supervisor."""
         if self.p.mode == "agents":
-            self._agent_call(node, t, self.agents[node].collect, note, t)
+            urgent, t_end = self._agent_call(node, t, self.agents[node].collect, note, t)
+            if urgent:  # a lost rank, a chaos fault, or every local rank's ack for a snapshot: sent now
+                self._agent_flush(node, t_end)
         else:
             self.sup_msgs += 1
             self._sup_call(t + self.p.net_s, self.sup.report, note, message=True)
@@ -181,14 +188,19 @@ class _Sim:
             gap = self.rng.uniform(0.005, 0.03) + (3.5 * p.step_s if st == "slow" else 0.0)
             t = self.now + gap
             metrics = {"step": k, "loss": 1.0, "generation": gen} if s.rank == 0 else None
-            self._deliver(node, t, Heartbeat(s.name, gen, s.rank, t, phase="training", step=k, pid=0,
-                                             last=StepReport(k, gap, p.step_s, 1.0), metrics=metrics))
+            hb = Heartbeat(s.name, gen, s.rank, t, phase="training", step=k, pid=0,
+                           last=StepReport(k, gap, p.step_s, 1.0), metrics=metrics)
+            if st == "slow":  # seconds late: an event then, so its agent is not busy until it comes
+                self.at(t, "note", (node, hb))
+            else:
+                self._deliver(node, t, hb)
         self.at(self.now + p.snapshot_s, "acks", (node, k, gen))
 
     def _ranks_ack(self, node: str, k: int, gen: int) -> None:
         if not self.node_up[node] or gen != self.run.generation:
             return
         nxt = self.nodes[(self.nodes.index(node) + 1) % len(self.nodes)] if len(self.nodes) > 1 else node
+        self.acks_sent[(gen, k)] = self.now
         for s in self.by_node.get(node, []):
             if self.state[s.name] in ("ok", "slow"):
                 self._deliver(node, self.now, SnapshotAck(s.name, gen, s.rank, self.now, step=k, ok=True,
@@ -216,6 +228,7 @@ class _Sim:
         if not self.node_up[node]:
             return
         batch, t_end = self._agent_call(node, t, self.agents[node].flush, t)
+        self.last_flush[node] = t
         lead = self.leader_of[node]
         if lead != node:  # a member: to its group's leader, which sends on at once what is urgent
             if self.node_up[lead]:
@@ -248,6 +261,8 @@ class _Sim:
             ready = sorted((k for k, v in self.committer._acks.items() if len(v["ranks"]) >= v["world"]
                             and k[1] <= upto), reverse=True)
             if ready:
+                if ready[0] in self.acks_sent and ready[0] != self.committer.committed:
+                    self.commit_lag.append(now - self.acks_sent.pop(ready[0]))
                 self.committer.committed = ready[0]
                 for k in [k for k in self.committer._acks if k <= ready[0]]:
                     self.committer._acks.pop(k)
@@ -339,12 +354,17 @@ class _Sim:
                 self.at(self.now + p.step_s, "step")
             elif kind == "acks":
                 self._ranks_ack(*arg)
+            elif kind == "note":
+                self._deliver(arg[0], self.now, arg[1])
             elif kind == "beat":
                 self._ranks_beat(arg)
                 self.at(self.now + p.heartbeat_interval_s, "beat", arg)
-            elif kind == "flush":
-                self._agent_flush(arg, self.now)
-                self.at(self.now + p.agent_interval_s, "flush", arg)
+            elif kind == "flush":  # the agent's interval, restarted by a batch sent at once (NodeAgent)
+                due = self.last_flush[arg] + p.agent_interval_s
+                if self.now + 1e-9 >= due:
+                    self._agent_flush(arg, self.now)
+                    due = self.now + p.agent_interval_s
+                self.at(due, "flush", arg)
             elif kind == "check":
                 self._agent_check(arg)
                 self.at(self.now + CHECK_S, "check", arg)
@@ -377,6 +397,8 @@ class _Sim:
         for k, rows in self.results.items():
             out[k] = {"n": len(rows), "p50": pct([d for d, _ in rows], 0.5), "p99": pct([d for d, _ in rows], 0.99),
                       "decide_p99": pct([c for _, c in rows], 0.99)}
+        out["commit_lag_p50"] = pct(self.commit_lag, 0.5)
+        out["commit_lag_p99"] = pct(self.commit_lag, 0.99)
         out["sup_cpu_frac"] = self.sup_cpu / duration
         out["sup_cpu_per_step_s"] = self.sup_cpu / max(1, self.step)
         out["agent_cpu_frac"] = statistics.mean(self.agent_cpu.values()) / duration

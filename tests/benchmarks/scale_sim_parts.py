@@ -34,6 +34,7 @@ class Params:
     fanin: int = 16  # nodes per agent group (workers.node_agent.FANIN; 1: every agent sends to the supervisor)
     trials: dict[str, int] = field(default_factory=lambda: {"death": 10, "node_loss": 10, "hang": 4, "straggler": 3})
     gap_s: float = 1.5  # quiet time between a decision and the next fault
+    send_on_acks: bool = True  # agents send a batch at once when a snapshot's acks are all in (else at the interval)
     seed: int = 0
 
 

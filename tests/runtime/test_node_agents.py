@@ -130,6 +130,116 @@ def test_a_group_leader_folds_its_members_and_reports_a_silent_member_node(tmp_p
     assert ("n2", 1.0) in tracker.silent(1.8) and ("n2", 1.0) not in tracker.silent(1.7)
 
 
+def test_a_silent_node_is_written_off_only_when_confirmed_and_a_false_alarm_buys_patience(tmp_path: Path) -> None:
+    """Under load a healthy agent can be silent for seconds: silence makes a suspect; Ray's node table,
+    a failed ping or the (adaptive) patience writes it off; an answer clears it and raises the patience."""
+    run, reporter, committer = _run(tmp_path)
+    events: list[tuple[str, dict[str, Any]]] = []
+    tracker = AgentTracker(run, committer.on_ack, lambda n: None, event=lambda kind, msg, **data: events.append(
+        (kind, data)), interval_s=0.25, misses=3)
+    detector = FailureDetector(run, reporter, StragglerPolicy(3.0))
+    slots = [Slot(f"w{r}", None, r, 0, info={"node_name": f"n{r}"}, rank=r) for r in range(4)]
+    aggs = {f"n{r}": NodeAggregator(f"job-j/agent-n{r}", f"n{r}", 5.0) for r in range(4)}
+    tracker.expect(list(aggs), now=0.0)
+    for t in (0.25, 0.5):
+        with run.lock:
+            for a in aggs.values():
+                tracker.on_batch(a.flush(t), now=t)
+    base = tracker.patience.limit(0.5)
+    assert base == 1.0  # the floor: batches came every 0.25 s, 3x that is less
+    # n1 falls silent after 0.5: a suspect at 1.5, not lost while its ping is pending within the patience.
+    with run.lock:
+        for n in ("n0", "n2", "n3"):
+            tracker.on_batch(aggs[n].flush(1.5), now=1.5)
+    silent = tracker.silent(1.5)
+    assert silent == [("n1", 0.5)]
+    assert tracker.judge(silent, 1.5, {"n1": "pending"}, set()) == []
+    assert tracker.judge(silent, 1.5 + 0.9 * base, {"n1": "pending"}, set()) == []
+    # It answers: slow, not lost. Heard from now; the patience grows with the silence it had.
+    t = 1.5 + 0.9 * base
+    assert tracker.judge(silent, t, {"n1": "answered"}, set()) == []
+    with run.lock:
+        for n in ("n0", "n2", "n3"):
+            tracker.on_batch(aggs[n].flush(t), now=t)
+    assert tracker.silent(t) == [] and tracker.false_alarms == 1 and not tracker.suspects
+    assert tracker.patience.limit(t) >= 3 * (t - 0.5) > base
+    assert [k for k, _ in events] == ["agent_answered"] and events[0][1]["node"] == "n1"
+    # Silent again: the larger patience holds it longer, then it is written off.
+    with run.lock:
+        for n in ("n0", "n2", "n3"):
+            tracker.on_batch(aggs[n].flush(t + 1.0), now=t + 1.0)
+    found = t + 1.0
+    silent = tracker.silent(found)
+    assert silent == [("n1", t)]
+    assert tracker.judge(silent, found, {"n1": "pending"}, set()) == []
+    patience = tracker.patience.limit(found + base)
+    assert tracker.judge(silent, found + base + 0.1, {"n1": "pending"}, set()) == []  # the old patience has passed
+    lost = tracker.judge(silent, found + patience + 0.1, {"n1": "pending"}, set())
+    assert lost == [("n1", t)]
+    assert events[-1][0] == "agent_lost" and "did not answer a ping" in events[-1][1]["reason"]
+    f = detector.from_agents([], lost, slots, found + patience + 0.1)
+    assert f is not None and f.kind == FailureKind.NODE_DIED and [s.name for s in f.slots] == ["w1"]
+    # Ray's word, or a ping that fails, is enough at once.
+    now = found + patience + 1.0
+    silent = [("n2", now - 1.0), ("n3", now - 1.0)]
+    assert tracker.judge(silent, now, {"n2": "pending", "n3": "died"}, {"n2"}) == silent
+    assert [e[1]["reason"] for e in events[-2:]] == ["Ray's node table says the node is dead",
+                                                    "its agent is gone (Ray says the actor died)"]
+
+
+def test_a_leader_gives_a_slow_member_back_its_watch_and_more_patience() -> None:
+    lead = NodeAggregator("job-j/agent-a", "a", 5.0)
+    member = NodeAggregator("job-j/agent-m", "m", 5.0)
+    lead.lead(["a", "m"], now=0.0, timeout_s=0.75)
+    for t in (0.25, 0.5):
+        lead.collect(member.flush(t), now=t)
+    assert not lead.check(1.2, lambda r: "alive")  # 0.7 s silent: within 3 intervals
+    assert lead.check(1.3, lambda r: "alive")  # 0.8 s: said lost (a suspect for the supervisor)
+    assert lead.flush(1.3).lost_nodes == {"m": 0.5}
+    assert not lead.check(1.5, lambda r: "alive") and lead.flush(1.5).lost_nodes == {}  # said once
+    lead.collect(member.flush(1.6), now=1.6)  # it was slow: watched again, with more patience
+    assert "m" in lead.members and lead.member_patience.limit(1.6) >= 3 * 1.1
+    limit = lead.member_patience.limit(1.6 + 3.0)
+    assert not lead.check(1.6 + 3.0, lambda r: "alive")  # a 3 s silence no longer counts
+    assert lead.check(1.6 + limit + 0.1, lambda r: "alive") and lead.flush(5.0).lost_nodes == {"m": 1.6}
+
+
+def test_a_batch_goes_at_once_when_a_snapshots_acks_are_all_in() -> None:
+    """Acks make a batch urgent the moment every rank an agent answers for has acked (a leader: its group's),
+    once per snapshot; the commit waits on no interval."""
+    lead = NodeAggregator("job-j/agent-a", "a", 5.0)
+    member = NodeAggregator("job-j/agent-m", "m", 5.0)
+    for r in range(4):
+        (lead if r < 2 else member).own(f"w{r}", r, 2, None, now=0.0)
+    lead.lead(["a", "m"], now=0.0, timeout_s=0.75)
+
+    def ack(r: int, step: int, ok: bool = True) -> SnapshotAck:
+        return SnapshotAck(f"w{r}", 2, r, 1.0, step=step, ok=ok, world_size=4, acked=["a", "m"])
+
+    # Step 5: the member's two ranks; its second ack makes its batch urgent.
+    assert not member.collect(ack(2, 5), now=1.0)
+    assert member.collect(ack(3, 5), now=1.0)
+    batch = member.flush(1.0)
+    assert batch.ranks == 2 and batch.acks == {(2, 5): [2, 3]}
+    # The leader does not know the member's count before its first batch: no early send.
+    assert not lead.collect(ack(0, 5), now=1.0) and not lead.collect(ack(1, 5), now=1.0)
+    assert lead.answers_for() is None
+    assert lead.collect(batch, now=1.01)  # now it does, and all four are in
+    assert lead.answers_for() == 4 and lead.flush(1.01).ranks == 4
+    # Step 6: the member's acks first (a failed one among them), then the leader's own two.
+    assert not member.collect(ack(2, 6), now=2.0)
+    assert member.collect(ack(3, 6, ok=False), now=2.0)  # a failure is an answer too
+    assert not lead.collect(member.flush(2.0), now=2.0)
+    assert not lead.collect(ack(0, 6), now=2.0)
+    assert lead.collect(ack(1, 6), now=2.0)
+    assert not lead.collect(ack(1, 6), now=2.0)  # once per snapshot
+    # A lost rank is not waited for.
+    assert member.check(2.5, lambda r: "gone" if r.worker == "w3" else "alive")
+    assert member.collect(ack(2, 7), now=2.5) and member.flush(2.5).ranks == 1
+    # An older generation's acks never make a batch urgent.
+    assert not member.collect(SnapshotAck("w2", 1, 2, 1.0, step=8, ok=True, world_size=4), now=2.6)
+
+
 def test_process_state_reads_exit_and_sigstop_from_proc() -> None:
     if not Path("/proc/self/stat").exists():
         pytest.skip("no /proc here")
@@ -192,8 +302,10 @@ def test_a_node_killed_is_found_by_its_group_leaders_agent(bc_cluster: Any, tmp_
         bc_cluster.kill_node("c")  # a member of b's group: b's agent sees it fall silent
         run.wait(timeout_s=400)
         assert run.status["state"] == "SUCCEEDED", run.events
-        lost = run.of("agent_lost")
-        assert lost and lost[0]["data"]["node"] == "c" and lost[0]["data"]["leader"] == "b", run.kinds()
+        silent = run.of("agent_silent")  # b's agent saw c fall silent (then the supervisor confirms, or
+        # Ray's report of the dead workers ends the generation first)
+        assert silent and silent[0]["data"]["node"] == "c" and silent[0]["data"]["leader"] == "b", run.kinds()
+        assert not run.of("agent_answered"), run.of("agent_answered")  # nothing alive was suspected
         # The recovery starts from whichever report comes first: Ray's of the node's dead workers (often
         # before the node is marked dead: worker_died), the agents', or a broken collective.
         first = run.of("failure_detected")[0]["data"]

@@ -12,11 +12,13 @@ Ranks are stopped by PID if anything goes wrong.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -93,6 +95,21 @@ def _context() -> mp.context.BaseContext:
     return ctx
 
 
+def _others(procs: list[Any], out: Any, first: int) -> str:
+    """The other ranks' fate when one failed: a peer that died without a word (a crash) shows here by
+    its exit code; one that failed too, by its own error's last line."""
+    time.sleep(2)
+    errs: dict[int, str] = {}
+    with contextlib.suppress(queue.Empty):
+        while True:
+            rank, ok, value = out.get(timeout=0.5)
+            if not ok:
+                errs[rank] = str(value).strip().splitlines()[-1][:300]
+    lines = [f"rank {r}: " + (errs.get(r) or (f"exit code {p.exitcode}" if p.exitcode is not None else "running"))
+             for r, p in enumerate(procs) if r != first]
+    return "\nother ranks:\n" + "\n".join(lines)
+
+
 def launch(target: str, world: int, payload: Any = None, timeout_s: float = 300.0) -> list[Any]:
     """Run `target` ("module:function") on `world` ranks; returns results ordered by rank."""
     import torch.distributed as dist
@@ -117,7 +134,7 @@ def launch(target: str, world: int, payload: Any = None, timeout_s: float = 300.
                 raise TimeoutError(f"ranks {sorted(set(range(world)) - set(results))} gave no result "
                                    f"within {timeout_s}s") from exc
             if not ok:
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
+                raise RuntimeError(f"rank {rank} failed:\n{value}{_others(procs, out, rank)}")
             results[rank] = pickle.loads(value)
         for p in procs:
             p.join(timeout=30)

@@ -8,38 +8,43 @@ which reports from inside a Ray actor through add_event / set_status / add_metri
 add_checkpoint / add_logs. Terminal statuses are final: a late write never moves a finished job.
 
 Writes retry while the database is unreachable (a PostgreSQL restart): the supervisor's and the
-scheduler's for `write_retry_s`, the API's for `api_write_retry_s` (then the API answers 503). Also
-here: API tokens (expiry, revocation), the audit log, and the scheduler's leader lease (LeaderLease).
+scheduler's for `write_retry_s`, the API's for `api_write_retry_s` (then the API answers 503). The
+database plumbing is in store_engine.py; tokens and the audit log in token_store.py (JobStore has them);
+the scheduler's leader lease in leader_lease.py.
 """
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 import logging
-import math
 import re
-import threading
 import time
-import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import wraps
-from pathlib import Path
-from typing import Any, ParamSpec, TypeVar
+from typing import Any
 
-from sqlalchemy import Engine, create_engine, delete, event, func, insert, or_, select, update
-from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, OperationalError
+from sqlalchemy import delete, func, insert, or_, select, update
+from sqlalchemy.exc import IntegrityError
 
-from service import auth
-from service.models import AuditEntry, CheckpointRow, Event, Job, LogLine, MetricRow, Token
+from service.models import CheckpointRow, Event, Job, LogLine, MetricRow, Token
 from service.spec import spec_to_private_json  # the one revealer of secrets; the supervisor imports it here
 from service.statuses import ACTIVE, PENDING, RECOVERING, STATUSES, TERMINAL
+from service.store_engine import (  # noqa: F401 - the store's plumbing, re-exported for its callers
+    MIGRATIONS_DIR,
+    decode_cursor,
+    encode_cursor,
+    json_safe,
+    make_engine,
+    migrate,
+    new_job_id,
+    retried,
+    store_unavailable,
+)
+from service.token_store import AuditRecord, TokenRecord, TokenTables  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
 
-MIGRATIONS_DIR = Path(__file__).with_name("migrations")
 # Logs are bounded per job: MAX_LOG_LINES lines (the oldest dropped first) of MAX_LOG_LINE_CHARS each.
 MAX_LOG_LINES = 50_000
 MAX_LOG_LINE_CHARS = 8192
@@ -132,126 +137,6 @@ API_WRITE_RETRY_S = 3.0
 RETRY_AFTER_S = 2  # what a 503 tells clients to wait
 
 
-def store_unavailable(exc: BaseException) -> bool:
-    """The database cannot be reached right now (down, restarting, connection cut): worth retrying."""
-    return isinstance(exc, OperationalError | InterfaceError) or (
-        isinstance(exc, DBAPIError) and bool(exc.connection_invalidated))
-
-
-P = ParamSpec("P")
-R = TypeVar("R")
-
-
-def _retried(budget_attr: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
-    """Retry a whole write (its own transaction) while the store is unavailable, for `self.<budget_attr>`
-    seconds; then the last error propagates (the API maps it to 503). Each write is one transaction
-    that either committed or did not, and the writes are conditional or append-only, so a retry after
-    a lost connection does not change a job twice."""
-
-    def deco(fn: Callable[P, R]) -> Callable[P, R]:
-        @wraps(fn)
-        def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-            store = args[0]
-            deadline = time.monotonic() + float(getattr(store, budget_attr))
-            pause = 0.1
-            while True:
-                try:
-                    return fn(*args, **kwargs)
-                except DBAPIError as e:
-                    if not store_unavailable(e) or time.monotonic() + pause > deadline:
-                        raise
-                    log.warning("job store unavailable in %s (%s); retrying in %.1f s",
-                                fn.__name__, type(e.orig).__name__, pause)
-                    time.sleep(pause)
-                    pause = min(pause * 2, 2.0)
-
-        return wrapper
-
-    return deco
-
-
-def new_job_id() -> str:
-    return uuid.uuid4().hex[:16]
-
-
-def _json_safe(x: Any) -> Any:
-    """Non-finite floats become None: PostgreSQL's JSON has no NaN/Infinity."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {str(k): _json_safe(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_json_safe(v) for v in x]
-    if hasattr(x, "item") and callable(x.item):  # numpy / torch scalars
-        return _json_safe(x.item())
-    return x
-
-
-def encode_cursor(seq: int) -> str:
-    return base64.urlsafe_b64encode(f"s{seq}".encode()).decode().rstrip("=")
-
-
-def decode_cursor(cursor: str) -> int:
-    try:
-        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
-        if not raw.startswith("s"):
-            raise ValueError(cursor)
-        seq = int(raw[1:])
-        if seq < 0 or seq > 2**62:
-            raise ValueError(cursor)
-        return seq
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"cursor {cursor!r} is not one this server gave out; drop it to start over") from e
-
-
-def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
-    cur = dbapi_conn.cursor()
-    # WAL lets the API read while supervisors write; busy_timeout waits for a writer instead of failing.
-    cur.execute("PRAGMA journal_mode=WAL")
-    cur.execute("PRAGMA synchronous=NORMAL")
-    cur.execute("PRAGMA busy_timeout=30000")
-    cur.close()
-
-
-def make_engine(url: str) -> Engine:
-    if url.startswith("sqlite"):
-        path = url.split("///", 1)[1] if "///" in url else ""
-        if path and path != ":memory:":
-            Path(path).expanduser().parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
-        event.listen(engine, "connect", _sqlite_pragmas)
-        return engine
-    if url.startswith("postgresql"):
-        # pre_ping drops connections a database restart cut; connect_timeout bounds a hung server.
-        return create_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True,
-                             connect_args={"connect_timeout": 5})
-    raise ValueError(f"store url {url!r} must be sqlite:///PATH or postgresql+psycopg://USER@HOST/DB")
-
-
-_migrate_lock = threading.Lock()
-
-
-def migrate(engine: Engine) -> None:
-    """Bring the schema to the newest Alembic revision (a no-op when it is there already)."""
-    from alembic import command
-    from alembic.config import Config
-    from alembic.runtime.migration import MigrationContext
-    from alembic.script import ScriptDirectory
-
-    cfg = Config()
-    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
-    head = ScriptDirectory.from_config(cfg).get_current_head()
-    with engine.connect() as conn:
-        if MigrationContext.configure(conn).get_current_revision() == head:
-            return
-    with _migrate_lock, engine.begin() as conn:
-        if conn.dialect.name == "postgresql":
-            # Several processes may open the store at once; one migrates, the rest wait.
-            conn.exec_driver_sql("SELECT pg_advisory_xact_lock(74281953)")
-        cfg.attributes["connection"] = conn
-        command.upgrade(cfg, "head")
-
-
 # Lists read no spec: a page of 50 then costs no JSON parsing of specs.
 _SUMMARY_COLS = [c for c in Job.__table__.c if c.name not in ("spec_json", "spec_public", "spec_hash")]
 _DETAIL_COLS = [*_SUMMARY_COLS, Job.__table__.c.spec_public]
@@ -282,7 +167,7 @@ def _job_record(row: Any) -> JobRecord:
     )
 
 
-class JobStore:
+class JobStore(TokenTables):
     """All reads and writes of job state. Safe to share between threads; one per process."""
 
     def __init__(
@@ -312,7 +197,7 @@ class JobStore:
     def _job_exists(self, conn: Any, job_id: str) -> bool:
         return conn.execute(select(Job.seq).where(Job.id == job_id)).first() is not None
 
-    @_retried("write_retry_s")
+    @retried("write_retry_s")
     def add_event(self, job_id: str, kind: str, message: str, data: dict | None = None) -> None:
         with self.engine.begin() as conn:
             if not self._job_exists(conn, job_id):
@@ -321,11 +206,11 @@ class JobStore:
             conn.execute(
                 insert(Event).values(
                     job_id=job_id, ts=time.time(), kind=kind[:64], message=message,
-                    data=_json_safe(data) if data else None,
+                    data=json_safe(data) if data else None,
                 )
             )
 
-    @_retried("write_retry_s")
+    @retried("write_retry_s")
     def set_status(self, job_id: str, status: str, reason: str | None = None) -> None:
         """Move a job to `status`; a terminal job never moves again. Records a `status` event."""
         if status not in STATUSES:
@@ -354,13 +239,13 @@ class JobStore:
             conn.execute(insert(Event).values(job_id=job_id, ts=now, kind="status", message=msg,
                                               data={"status": status, "reason": reason}))
 
-    @_retried("write_retry_s")
+    @retried("write_retry_s")
     def add_metrics(self, job_id: str, rows: list[dict]) -> None:
         """One row a step (step, loss, tokens, dp, world_size, generation, step_time_s, tokens_per_s, ...)."""
         if not rows:
             return
         now = time.time()
-        clean = [_json_safe(dict(r)) for r in rows]
+        clean = [json_safe(dict(r)) for r in rows]
         for r in clean:
             if not isinstance(r.get("step"), int):
                 raise ValueError(f"every metrics row needs an integer 'step'; got {r.get('step')!r}")
@@ -376,7 +261,7 @@ class JobStore:
             if latest["step"] >= int(prev.get("step", -1)):
                 conn.execute(update(Job).where(Job.id == job_id).values(progress={**prev, **latest}))
 
-    @_retried("write_retry_s")
+    @retried("write_retry_s")
     def add_checkpoint(self, job_id: str, step: int, uri: str, tier: str, data: dict | None = None) -> None:
         with self.engine.begin() as conn:
             if not self._job_exists(conn, job_id):
@@ -384,7 +269,7 @@ class JobStore:
                 return
             conn.execute(insert(CheckpointRow).values(
                 job_id=job_id, step=int(step), uri=uri, tier=tier, ts=time.time(),
-                data=_json_safe(data) if data else None,
+                data=json_safe(data) if data else None,
             ))
 
     def add_log(self, job_id: str, lines: list[str], source: str | None = None) -> None:
@@ -392,7 +277,7 @@ class JobStore:
         now = time.time()
         self.add_logs(job_id, [(now, source, x) for x in lines])
 
-    @_retried("write_retry_s")
+    @retried("write_retry_s")
     def add_logs(self, job_id: str, lines: Sequence[tuple[float, str | None, str]]) -> None:
         """Append (ts, source, line) rows in their order. A line longer than MAX_LOG_LINE_CHARS is cut;
         beyond `max_log_lines` a job keeps its newest lines and one marker line, first, saying how
@@ -464,7 +349,7 @@ class JobStore:
         assert job is not None
         return job, True
 
-    @_retried("api_write_retry_s")
+    @retried("api_write_retry_s")
     def _insert_job(self, job_id: str, spec: Any, spec_json: str, spec_hash: str, owner: str, min_world: int,
                     max_world: int | None, idempotency_key: str | None) -> None:
         now = time.time()
@@ -540,7 +425,7 @@ class JobStore:
         nxt = encode_cursor(page[-1].seq) if len(rows) > limit and page else None
         return page, nxt
 
-    @_retried("api_write_retry_s")
+    @retried("api_write_retry_s")
     def delete_job(self, job_id: str) -> None:
         """Delete a finished job and everything recorded about it."""
         with self.engine.begin() as conn:
@@ -555,7 +440,7 @@ class JobStore:
                 conn.execute(delete(table).where(table.job_id == job_id))
             conn.execute(delete(Job).where(Job.id == job_id))
 
-    @_retried("api_write_retry_s")
+    @retried("api_write_retry_s")
     def request_cancel(self, job_id: str) -> JobRecord:
         """Mark that cancellation was asked for (the scheduler or supervisor acts on it)."""
         with self.engine.begin() as conn:
@@ -626,7 +511,7 @@ class JobStore:
             ).all()
         return [_job_record(r) for r in rows]
 
-    @_retried("write_retry_s")
+    @retried("write_retry_s")
     def mark_admitted(self, job_id: str) -> bool:
         """PENDING and not yet admitted → admitted; False if someone else got there (or it was cancelled)."""
         now = time.time()
@@ -642,7 +527,7 @@ class JobStore:
                                                   message="admitted by the scheduler", data=None))
             return bool(res.rowcount)
 
-    @_retried("write_retry_s")
+    @retried("write_retry_s")
     def set_target_dp(self, job_id: str, dp: int) -> None:
         """The dp the scheduler asked an admitted job to run at (what `list` shows beside its dp now)."""
         with self.engine.begin() as conn:
@@ -671,100 +556,6 @@ class JobStore:
                 select(func.count()).select_from(Job).where(Job.status == PENDING, Job.admitted_at.is_(None))
             ).scalar_one())
 
-    # ---- tokens ------------------------------------------------------------------------------
-
-    def create_token(self, principal: str, role: str = "user", label: str | None = None, *,
-                     expires_in_s: float | None = None, created_by: str | None = None, weight: float = 1.0) -> str:
-        """Make a new token for `principal`; returns the token text (only its hash is stored)."""
-        return self.issue_token(principal, role, label, expires_in_s=expires_in_s, created_by=created_by,
-                                weight=weight)[1]
-
-    @_retried("api_write_retry_s")
-    def issue_token(self, principal: str, role: str = "user", label: str | None = None, *,
-                    expires_in_s: float | None = None, created_by: str | None = None,
-                    weight: float = 1.0) -> tuple[TokenRecord, str]:
-        """A new token for `principal` valid for `expires_in_s` seconds (None: until revoked);
-        returns (its record, its text). The text is shown once: only its hash is stored. `weight`: the
-        owner's fair share of spare capacity (auth.check_weight)."""
-        auth.check_weight(weight)
-        if role not in auth.ROLES:
-            raise ValueError(f"role {role!r} must be one of {auth.ROLES}")
-        if not principal or len(principal) > 128:
-            raise ValueError("principal must be 1 to 128 characters")
-        if expires_in_s is not None and not (0 < expires_in_s <= auth.MAX_TOKEN_LIFETIME_S):
-            raise ValueError(f"expires_in_s={expires_in_s} must be above 0 and at most "
-                             f"{auth.MAX_TOKEN_LIFETIME_S:.0f} (10 years); leave it out for a token that never expires")
-        token = auth.new_token()
-        now = time.time()
-        with self.engine.begin() as conn:
-            res = conn.execute(insert(Token).values(
-                token_hash=auth.hash_token(token), principal=principal, role=role,
-                label=None if label is None else label[:128], created_at=now,
-                expires_at=None if expires_in_s is None else now + expires_in_s, created_by=created_by,
-                weight=float(weight),
-            ))
-            token_id = int(res.inserted_primary_key[0])
-        rec = self.get_token(token_id)
-        assert rec is not None
-        return rec, token
-
-    def principal_for_token(self, token: str) -> auth.Principal | None:
-        """Whom a token speaks for; None when it is unknown, revoked or expired."""
-        with self.engine.connect() as conn:
-            row = conn.execute(
-                select(Token.principal, Token.role).where(
-                    Token.token_hash == auth.hash_token(token), Token.revoked_at.is_(None),
-                    or_(Token.expires_at.is_(None), Token.expires_at > time.time()))
-            ).first()
-        return None if row is None else auth.Principal(row[0], row[1])
-
-    def get_token(self, token_id: int) -> TokenRecord | None:
-        with self.engine.connect() as conn:
-            row = conn.execute(select(*_TOKEN_COLS).where(Token.id == token_id)).first()
-        return None if row is None else TokenRecord(*row)
-
-    def list_tokens(self, *, principal: str | None = None, include_revoked: bool = False) -> list[TokenRecord]:
-        """Tokens (never their text nor hash), oldest first."""
-        q = select(*_TOKEN_COLS).order_by(Token.id)
-        if principal is not None:
-            q = q.where(Token.principal == principal)
-        if not include_revoked:
-            q = q.where(Token.revoked_at.is_(None))
-        with self.engine.connect() as conn:
-            return [TokenRecord(*r) for r in conn.execute(q).all()]
-
-    @_retried("api_write_retry_s")
-    def revoke_token(self, token_id: int) -> bool:
-        """Revoke one token at once (its sessions end too); False if no such token or revoked already."""
-        with self.engine.begin() as conn:
-            res = conn.execute(update(Token).where(Token.id == token_id, Token.revoked_at.is_(None))
-                               .values(revoked_at=time.time()))
-            return bool(res.rowcount)
-
-    @_retried("api_write_retry_s")
-    def revoke_tokens(self, principal: str) -> int:
-        """Revoke every token of `principal`; returns how many."""
-        with self.engine.begin() as conn:
-            return int(conn.execute(update(Token).where(Token.principal == principal, Token.revoked_at.is_(None))
-                                    .values(revoked_at=time.time())).rowcount)
-
-    # ---- the audit log -------------------------------------------------------------------------
-
-    @_retried("api_write_retry_s")
-    def add_audit(self, principal: str, client: str | None, method: str, path: str, status: int) -> None:
-        with self.engine.begin() as conn:
-            conn.execute(insert(AuditEntry).values(ts=time.time(), principal=principal[:128],
-                                                   client=None if client is None else client[:64],
-                                                   method=method[:16], path=path[:512], status=int(status)))
-
-    def audit(self, *, after_id: int = 0, limit: int = 100, principal: str | None = None) -> list[AuditRecord]:
-        """Audit entries after `after_id`, oldest first."""
-        q = select(*_AUDIT_COLS).where(AuditEntry.id > after_id).order_by(AuditEntry.id).limit(limit)
-        if principal is not None:
-            q = q.where(AuditEntry.principal == principal)
-        with self.engine.connect() as conn:
-            return [AuditRecord(*r) for r in conn.execute(q).all()]
-
     # ---- the scheduler's leader lease ----------------------------------------------------------
 
     def leader_lease(self, key: int = 74281954) -> Any:
@@ -772,35 +563,3 @@ class JobStore:
         from service.leader_lease import LeaderLease
 
         return LeaderLease(self.engine, key)
-
-
-@dataclass(frozen=True)
-class TokenRecord:
-    id: int
-    principal: str
-    role: str
-    label: str | None
-    created_at: float
-    expires_at: float | None
-    revoked_at: float | None
-    created_by: str | None
-    weight: float = 1.0
-
-
-_TOKEN_COLS = [Token.id, Token.principal, Token.role, Token.label, Token.created_at, Token.expires_at,
-               Token.revoked_at, Token.created_by, Token.weight]
-
-
-@dataclass(frozen=True)
-class AuditRecord:
-    id: int
-    ts: float
-    principal: str
-    client: str | None
-    method: str
-    path: str
-    status: int
-
-
-_AUDIT_COLS = [AuditEntry.id, AuditEntry.ts, AuditEntry.principal, AuditEntry.client, AuditEntry.method,
-               AuditEntry.path, AuditEntry.status]

@@ -101,6 +101,37 @@ def _copies_gone(job_id: str, sid: SnapshotId, rank: int, tried: list[str]) -> s
     return f"job {job_id!r} {_gone(sid, whose)} (tried {tried}); restore from the persistent checkpoint"
 
 
+def _from_holders(
+    keepers: dict[str, ActorHandle], job_id: str, sid: SnapshotId, order: dict[int, list[str]], ranks: list[int],
+    ask: Callable[[ActorHandle, int], Any], take: Callable[[Any], Any], what: str, timeout_s: float,
+) -> Iterator[tuple[int, str, Any]]:  # fmt: skip
+    """(rank, node, answer) for each of `ranks`: all asked at once (`ask(keeper, rank)` -> a ref), each from
+    its first live holder in `order`, another copy when one fails; `take(ref)` reads an answer."""
+    tries = {r: list(order[r]) for r in ranks}
+    pending: dict[Any, tuple[int, str]] = {}
+
+    def send(r: int) -> None:
+        if not tries[r]:
+            raise SnapshotLost(_copies_gone(job_id, sid, r, order[r]))
+        node = tries[r].pop(0)
+        pending[ask(keepers[node], r)] = (r, node)
+
+    for r in ranks:
+        send(r)
+    while pending:
+        done, _ = ray.wait(list(pending), num_returns=1, timeout=timeout_s)
+        if not done:
+            raise SnapshotLost(f"job {job_id!r}: keepers did not answer within {timeout_s:.0f}s")
+        r, node = pending.pop(done[0])
+        try:
+            answer = take(done[0])
+        except Exception as e:  # noqa: BLE001 - try the other copy
+            log.warning("rank %d's %s from keeper-%s failed (%s); trying another copy", r, what, node, short_error(e))
+            send(r)
+            continue
+        yield r, node, answer
+
+
 def _fetch_iter(
     keepers: dict[str, ActorHandle], job_id: str, sid: SnapshotId, order: dict[int, list[str]],
     used: dict[int, str], timeout_s: float,
@@ -108,30 +139,9 @@ def _fetch_iter(
     """A blob fetcher for KeeperReader: all requests in parallel, each rank from its first live holder."""
 
     def fetch(ranks: list[int]) -> Iterator[tuple[int, Any]]:
-        tries = {r: list(order[r]) for r in ranks}
-        pending: dict[Any, tuple[int, str]] = {}
-
-        def ask(r: int) -> None:
-            if not tries[r]:
-                raise SnapshotLost(_copies_gone(job_id, sid, r, order[r]))
-            node = tries[r].pop(0)
-            pending[keepers[node].get_blob.remote(job_id, sid[0], sid[1], r)] = (r, node)
-
-        for r in ranks:
-            ask(r)
-        while pending:
-            done, _ = ray.wait(list(pending), num_returns=1, timeout=timeout_s)
-            if not done:
-                raise SnapshotLost(f"job {job_id!r}: keepers did not answer within {timeout_s:.0f}s")
-            r, node = pending.pop(done[0])
-            try:
-                blob = ray.get(ray.get(done[0])[0])
-            except Exception as e:  # noqa: BLE001 - try the other copy
-                log.warning(
-                    "rank %d's shard from keeper-%s failed (%s); trying another copy", r, node, short_error(e)
-                )
-                ask(r)
-                continue
+        for r, node, blob in _from_holders(
+                keepers, job_id, sid, order, ranks, lambda k, r: k.get_blob.remote(job_id, sid[0], sid[1], r),
+                lambda ref: ray.get(ray.get(ref)[0]), "shard", timeout_s):
             used[r] = node
             yield r, blob
 
@@ -178,28 +188,11 @@ def restore_from_keepers(
     order = {r: sorted(held[r], key=lambda n: (n != prefer_node, n)) for r in range(w)}
     used: dict[int, str] = {}
     # Every rank's layout (small) builds the metadata: all asked at once, the other copy on failure.
-    metas: dict[int, tuple[bytes, bytes, int]] = {}
-    tries = {r: list(nodes) for r, nodes in order.items()}
-    pending: dict[Any, int] = {}
-
-    def ask_meta(r: int) -> None:
-        if not tries[r]:
-            raise SnapshotLost(_copies_gone(job_id, sid, r, order[r]))
-        node = tries[r].pop(0)
-        pending[keepers[node].get_meta.remote(job_id, sid[0], sid[1], r)] = r
-
-    for r in order:
-        ask_meta(r)
-    while pending:
-        done, _ = ray.wait(list(pending), num_returns=1, timeout=timeout_s)
-        if not done:
-            raise SnapshotLost(f"job {job_id!r}: keepers did not answer within {timeout_s:.0f}s")
-        r = pending.pop(done[0])
-        try:
-            metas[r] = ray.get(done[0])
-        except Exception as e:  # noqa: BLE001 - try the other copy
-            log.warning("rank %d's layout could not be read (%s); trying another copy", r, short_error(e))
-            ask_meta(r)
+    metas: dict[int, tuple[bytes, bytes, int]] = {
+        r: meta for r, _node, meta in _from_holders(
+            keepers, job_id, sid, order, list(order), lambda k, r: k.get_meta.remote(job_id, sid[0], sid[1], r),
+            ray.get, "layout", timeout_s)
+    }  # fmt: skip
     layouts = {r: ShardLayout.from_bytes(m[0]) for r, m in metas.items()}
     extras = {r: pickle.loads(m[1]) for r, m in metas.items()}
     metadata, where = build_metadata(layouts)

@@ -205,8 +205,11 @@ class Worker:
             t_formed = time.perf_counter()
             device = self._device(rank)
             master = self._master_store if rank == 0 else None
+            # The node's ranks in this generation, from its agent: its lowest rank leads the node's part of
+            # a two-level rendezvous (workers.group.rendezvous). Without an agent, every rank joins flat.
+            local = ray.get(agent.local_ranks.remote(generation), timeout=60) if agent is not None else None
             info = join_group(generation, rank, world_size, host, port, device=device, timeout_s=timeout_s,
-                              master_store=master)
+                              master_store=master, local_ranks=local)
             timings["join_s"] = info.join_s
             t0 = time.perf_counter()
             from parallel.trainer import Trainer

@@ -1,31 +1,29 @@
-"""The re-form's store cost with many clients: a torch TCPStore barrier with 256, 1,024 and 4,096 clients.
+"""The re-form's store cost with many clients, through the real rendezvous (workers.group.rendezvous).
 
-Every generation (workers/group.py) opens a fresh TCPStore hosted by its rank 0, and every rank of the
-generation connects to it, waits on it and reads the group's keys from it (`init_process_group`: a
-barrier-like arrival count and, on NCCL, one key that every rank reads). At 10,000 ranks that one
-server and its N connections are the rendezvous. This measures, with N client threads in one process
-(each its own TCPStore connection, as a rank is):
+Every generation opens a fresh TCPStore hosted by its rank 0. `workers.group.rendezvous` is what each
+rank runs before torch's `init_process_group`; this times it with N client threads in one process
+(each rank its own connections, as in a real rank), for its two designs:
 
-    connect   N clients open their connection (TCPStore(..., is_master=False))
-    barrier   each client `add`s itself to a counter; the last one sets `go`; all wait for `go`
-    bcast     rank 0 `set`s a 128-byte key (NCCL's unique id); the others `get` it
+    flat   every rank connects to the master store and checks in there (add; the last sets `go`)
+    tree   ranks in nodes of 8 (`local_ranks`): each node's lowest rank leads; it opens the node's relay
+           (workers.group.NodeRelay) and checks its node in with the master as one; the others connect
+           only to their leader's relay (a local store) and wait for its release
 
-for three designs:
+and then a 128-byte unique id (NCCL's) set by rank 0 and read by every rank through its store (the
+relay reads it from the master once per node). `connect+barrier` is the rendezvous call itself.
 
-    flat      today: all N ranks on the generation's one store
-    tree      the node agents rendezvous for their 8 ranks: N/8 clients on the global store, plus a
-              local barrier of 8 (gather, then release) on each node; nodes run in parallel, so the
-              local part is measured once and counted twice
-    reuse     one long-lived store and connection per rank, a key prefix per generation: the
-              re-form pays no connect (the barrier and bcast only)
+Then torch's own part, which the rendezvous does not change: gloo's `ProcessGroupGloo` built on the
+rendezvous' stores (each rank writes its address and reads every rank's: W^2 reads on the master when
+flat; through the relays each node reads each address once, W^2/8), at a few small world sizes.
 
-The client threads share this machine's cores with the server, so the figures are an upper bound
-of the server's cost; the server's own rate (ops/s) is printed so a larger N can be extrapolated.
-Run: python -m tests.benchmarks.rendezvous_bench [N ...]
+The threads share this machine's cores with the servers, so the figures are upper bounds of the
+server's cost; the master's own rate (ops/s) is printed so a larger N can be extrapolated.
+Run: python -m tests.benchmarks.rendezvous_bench [N ...]   (default 256 1024 4096; ~2 min here)
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import statistics
 import sys
@@ -33,32 +31,35 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # one warning per client socket otherwise
 
-import torch.distributed as dist  # noqa: E402 - after the log level
+import torch  # noqa: E402 - after the log level
+import torch.distributed as dist  # noqa: E402
+
+from workers.group import rendezvous  # noqa: E402
 
 HOST = "127.0.0.1"
 SIZES = (256, 1024, 4096)
+GLOO_SIZES = (8, 16, 32)
 LOCAL = 8  # ranks per node (the tree's fan-in)
-TIMEOUT = timedelta(seconds=120)
+TIMEOUT_S = 180.0
+_gens = itertools.count(1)  # every measurement is its own generation: its own keys and relays
 
 
-def _server() -> dist.TCPStore:
-    return dist.TCPStore(HOST, 0, 1, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
-
-
-def _run_threads(n: int, fn: Callable[[int], None]) -> float:
-    """Run fn(i) on n threads released together; wall seconds from release to the last return."""
+def _run_threads(n: int, fn: Callable[[int], Any]) -> tuple[float, list[Any]]:
+    """Run fn(i) on n threads released together: (wall seconds from release to the last return, results)."""
     go = threading.Event()
     ready = threading.Semaphore(0)
     errors: list[BaseException] = []
+    out: list[Any] = [None] * n
 
     def body(i: int) -> None:
         ready.release()
         go.wait()
         try:
-            fn(i)
+            out[i] = fn(i)
         except BaseException as e:  # noqa: BLE001 - re-raised by the caller
             errors.append(e)
 
@@ -73,80 +74,150 @@ def _run_threads(n: int, fn: Callable[[int], None]) -> float:
         t.join()
     if errors:
         raise errors[0]
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, out
 
 
-def measure(n: int, port: int, prefix: str) -> dict[str, float]:
-    """connect, barrier and bcast seconds for n clients of the store at `port`."""
-    clients: list[dist.TCPStore | None] = [None] * n
+def _layout(n: int, tree: bool) -> list[list[int] | None]:
+    return [list(range(i - i % LOCAL, min(n, i - i % LOCAL + LOCAL))) if tree else None for i in range(n)]
 
-    def connect(i: int) -> None:
-        clients[i] = dist.TCPStore(HOST, port, n, is_master=False, timeout=TIMEOUT, wait_for_workers=False)
 
-    out = {"connect": _run_threads(n, connect)}
-    stores = [dist.PrefixStore(prefix, c) for c in clients if c is not None]
+def measure(n: int, master: dist.TCPStore, tree: bool) -> dict[str, float]:
+    """The real rendezvous of n ranks (flat or tree), then a unique id read by all; seconds of each."""
+    gen, port, layout = next(_gens), int(master.port), _layout(n, tree)
 
-    def barrier(i: int) -> None:
-        s = stores[i]
-        if s.add("arrived", 1) == n:
-            s.set("go", b"1")
-        s.wait(["go"])
+    def join(i: int) -> Any:
+        return rendezvous(gen, i, n, HOST, port, timeout_s=TIMEOUT_S, master_store=master if i == 0 else None,
+                          local_ranks=layout[i])
 
-    out["barrier"] = _run_threads(n, barrier)
-    uid = b"x" * 128
+    t_join, rdvs = _run_threads(n, join)
+    uid, key = b"x" * 128, f"uid/gen{gen}"
+    rdvs[0].store.set(key, uid)
 
-    def bcast(i: int) -> None:
-        s = stores[i]
-        if i == 0:
-            s.set("uid", uid)
-        elif s.get("uid") != uid:
+    def read(i: int) -> None:
+        if rdvs[i].store.get(key) != uid:
             raise AssertionError("wrong unique id")
 
-    out["bcast"] = _run_threads(n, bcast)
-    # A second generation on the same connections (the `reuse` design): prefix per generation.
-    stores = [dist.PrefixStore(prefix + "next/", c) for c in clients if c is not None]
-    out["barrier_reuse"] = _run_threads(n, barrier)
-    out["bcast_reuse"] = _run_threads(n, bcast)
-    clients.clear()  # the connections close with their last reference
-    return out
+    t_bcast, _ = _run_threads(n, read)
+    reads = sum(r.relay.stats["master_reads"] for r in rdvs if r.relay is not None)
+    for r in rdvs:
+        r.close()
+    return {"join": t_join, "bcast": t_bcast, "relay_master_reads": reads}
+
+
+def gloo_init(w: int, master: dist.TCPStore, tree: bool) -> dict[str, float]:
+    """ProcessGroupGloo of w ranks (threads) built on the rendezvous' stores: its full-mesh address
+    exchange through them. Seconds, and the relays' reads from the master (tree)."""
+    from torch.distributed.distributed_c10d import ProcessGroupGloo
+
+    gen, port, layout = next(_gens), int(master.port), _layout(w, tree)
+
+    def join(i: int) -> Any:
+        return rendezvous(gen, i, w, HOST, port, timeout_s=TIMEOUT_S, master_store=master if i == 0 else None,
+                          local_ranks=layout[i])
+
+    _, rdvs = _run_threads(w, join)
+
+    def init(i: int) -> Any:
+        pg = ProcessGroupGloo(dist.PrefixStore(f"pg{gen}/", rdvs[i].store), i, w, timedelta(seconds=TIMEOUT_S))
+        t = torch.ones(1)
+        pg.allreduce([t]).wait()
+        if t.item() != w:
+            raise AssertionError("wrong sum")
+        return pg
+
+    t_init, pgs = _run_threads(w, init)
+    reads = sum(r.relay.stats["master_reads"] for r in rdvs if r.relay is not None)
+    pgs.clear()
+    for r in rdvs:
+        r.close()
+    return {"init": t_init, "relay_master_reads": reads}
+
+
+class _Counting(dist.Store):
+    """A store that counts what torch asks of it (gloo's full mesh, seen from one rank's side)."""
+
+    def __init__(self, inner: dist.Store, counts: dict[str, int], lock: threading.Lock) -> None:
+        super().__init__()
+        self.inner, self.counts, self.lock = inner, counts, lock
+
+    def _n(self, op: str, nbytes: int = 0) -> None:
+        with self.lock:
+            self.counts[op] = self.counts.get(op, 0) + 1
+            self.counts[op + "_bytes"] = self.counts.get(op + "_bytes", 0) + nbytes
+
+    def set(self, key: str, value: Any) -> None:
+        self._n("set", len(value))
+        self.inner.set(key, bytes(value))
+
+    def get(self, key: str) -> bytes:
+        value = self.inner.get(key)
+        self._n("get", len(value))
+        return value
+
+    def add(self, key: str, amount: int) -> int:
+        self._n("add")
+        return self.inner.add(key, amount)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        self._n("wait")
+        self.inner.wait(keys) if timeout is None else self.inner.wait(keys, timeout)
+
+    def check(self, keys: list[str]) -> bool:
+        self._n("check")
+        return self.inner.check(keys)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        self._n("multi_get")
+        return self.inner.multi_get(keys)
+
+
+def gloo_store_ops(w: int, master: dist.TCPStore) -> dict[str, int]:
+    """What gloo's ProcessGroupGloo asks of the store, counted over w ranks (threads, flat)."""
+    from torch.distributed.distributed_c10d import ProcessGroupGloo
+
+    counts: dict[str, int] = {}
+    lock = threading.Lock()
+    gen = next(_gens)
+    stores = [_Counting(dist.TCPStore(HOST, int(master.port), 1, is_master=False, timeout=timedelta(seconds=TIMEOUT_S),
+                                      wait_for_workers=False), counts, lock) for _ in range(w)]
+
+    def init(i: int) -> Any:
+        return ProcessGroupGloo(dist.PrefixStore(f"count{gen}/", stores[i]), i, w, timedelta(seconds=TIMEOUT_S))
+
+    _run_threads(w, init)
+    return counts
 
 
 def server_ops_per_s(port: int, clients: int = 8, ops: int = 4000) -> float:
     """The server's rate of `add` calls from a few clients (its cost per operation, inverted)."""
-    stores = [dist.TCPStore(HOST, port, 1, is_master=False, timeout=TIMEOUT, wait_for_workers=False)
-              for _ in range(clients)]
+    stores = [dist.TCPStore(HOST, port, 1, is_master=False, timeout=timedelta(seconds=TIMEOUT_S),
+                            wait_for_workers=False) for _ in range(clients)]
     per = ops // clients
 
     def work(i: int) -> None:
         for _ in range(per):
             stores[i].add("ops", 1)
 
-    wall = _run_threads(clients, work)
+    wall, _ = _run_threads(clients, work)
     return per * clients / wall
 
 
-def run(sizes: tuple[int, ...] = SIZES, repeats: int = 3) -> dict[int, dict[str, float]]:
-    server = _server()
-    port = int(server.port)
-    results: dict[int, dict[str, float]] = {}
-    local = [measure(LOCAL, port, f"local{r}/") for r in range(repeats)]
-    local_barrier = statistics.median(x["barrier"] for x in local)
+def run(sizes: tuple[int, ...] = SIZES, repeats: int = 3) -> dict[str, Any]:
+    master = dist.TCPStore(HOST, 0, 1, is_master=True, timeout=timedelta(seconds=TIMEOUT_S), wait_for_workers=False)
+    out: dict[str, Any] = {"sizes": {}, "gloo": {}}
     for n in sizes:
-        flat = [measure(n, port, f"flat{n}-{r}/") for r in range(repeats)]
-        tree = [measure(max(1, n // LOCAL), port, f"tree{n}-{r}/") for r in range(repeats)]
-
-        def med(rows: list[dict[str, float]], key: str) -> float:
-            return statistics.median(x[key] for x in rows)
-
-        results[n] = {
-            "flat_connect": med(flat, "connect"), "flat_barrier": med(flat, "barrier"), "flat_bcast": med(flat, "bcast"),
-            "reuse_barrier": med(flat, "barrier_reuse"), "reuse_bcast": med(flat, "bcast_reuse"),
-            "tree_connect": med(tree, "connect"),
-            # gather on the node, the global barrier of the agents, release on the node
-            "tree_barrier": med(tree, "barrier") + 2 * local_barrier, "tree_bcast": med(tree, "bcast") + local_barrier,
-        }
-    results[0] = {"server_ops_per_s": server_ops_per_s(port), "local_barrier": local_barrier}
-    return results
+        row: dict[str, float] = {}
+        for design in ("flat", "tree"):
+            runs = [measure(n, master, design == "tree") for _ in range(repeats)]
+            for k in ("join", "bcast", "relay_master_reads"):
+                row[f"{design}_{k}"] = statistics.median(r[k] for r in runs)
+            row[f"{design}_join_max"] = max(r["join"] for r in runs)
+        out["sizes"][n] = row
+    for w in GLOO_SIZES:
+        out["gloo"][w] = {d: gloo_init(w, master, d == "tree") for d in ("flat", "tree")}
+        out["gloo"][w]["ops"] = gloo_store_ops(w, master)
+    out["server_ops_per_s"] = server_ops_per_s(int(master.port))
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -155,28 +226,35 @@ def main(argv: list[str] | None = None) -> None:
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    need = 2 * max(sizes) + 512  # a client socket and the server's socket per client
+    need = 6 * max(sizes) + 1024  # each rank's connections and the servers' ends of them
     if soft < need:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, need), hard))
-    threading.stack_size(256 * 1024)
+    threading.stack_size(512 * 1024)
     res = run(sizes)
-    extra = res.pop(0)
-    print(f"TCPStore rendezvous, median of 3, client threads on this machine; server "
-          f"{extra['server_ops_per_s']:,.0f} ops/s; a node's local barrier of {LOCAL}: "
-          f"{extra['local_barrier'] * 1e3:.1f} ms")
-    print(f"{'clients':>8} | {'flat connect':>12} {'barrier':>8} {'bcast':>8} | {'reuse barrier':>13} "
-          f"{'bcast':>8} | {'tree connect':>12} {'barrier':>8} {'bcast':>8} | {'flat/tree re-form':>17}")
-    for n, r in res.items():
-        flat = r["flat_connect"] + r["flat_barrier"] + r["flat_bcast"]
-        tree = r["tree_connect"] + r["tree_barrier"] + r["tree_bcast"]
-        print(f"{n:>8} | {r['flat_connect']:>11.3f}s {r['flat_barrier']:>7.3f}s {r['flat_bcast']:>7.3f}s | "
-              f"{r['reuse_barrier']:>12.3f}s {r['reuse_bcast']:>7.3f}s | {r['tree_connect']:>11.3f}s "
-              f"{r['tree_barrier']:>7.3f}s {r['tree_bcast']:>7.3f}s | {flat / tree:>16.1f}x")
-    n = max(res)
-    r = res[n]
-    print(f"rendezvous: clients={n} flat_s={r['flat_connect'] + r['flat_barrier'] + r['flat_bcast']:.3f} "
-          f"reuse_s={r['reuse_barrier'] + r['reuse_bcast']:.3f} "
-          f"tree_s={r['tree_connect'] + r['tree_barrier'] + r['tree_bcast']:.3f}")
+    print(f"workers.group.rendezvous, median of 3, rank threads on this machine; master store "
+          f"{res['server_ops_per_s']:,.0f} ops/s; tree: nodes of {LOCAL}")
+    print(f"{'ranks':>6} | {'flat connect+barrier (max)':>26} {'uid read':>8} {'total':>7} | "
+          f"{'tree connect+barrier (max)':>26} {'uid read':>8} {'total':>7} {'uid master reads':>16} | {'flat/tree':>9}")
+    for n, r in res["sizes"].items():
+        flat, tree = r["flat_join"] + r["flat_bcast"], r["tree_join"] + r["tree_bcast"]
+        print(f"{n:>6} | {r['flat_join']:>16.3f}s ({r['flat_join_max']:>6.2f}s) {r['flat_bcast']:>7.3f}s {flat:>6.3f}s | "
+              f"{r['tree_join']:>16.3f}s ({r['tree_join_max']:>6.2f}s) {r['tree_bcast']:>7.3f}s {tree:>6.3f}s "
+              f"{r['tree_relay_master_reads']:>16.0f} | {flat / tree:>8.1f}x")
+    print("torch's own part, unchanged by the rendezvous: gloo's full mesh (every rank reads every rank's address)")
+    print(f"{'ranks':>6} | {'store ops per rank (counted, flat)':>44} | {'flat init':>9} {'master reads':>12} | "
+          f"{'tree init':>9} {'master reads':>12}")
+    for w, g in res["gloo"].items():
+        ops = g["ops"]
+        per = (f"{ops.get('set', 0) / w:.0f} set, {ops.get('wait', 0) / w:.0f} wait, {ops.get('get', 0) / w:.0f} get "
+               f"of {ops.get('get_bytes', 0) / max(1, ops.get('get', 0)):.0f} B")
+        # tree: the relays' reads, plus the leaders' own (each reads every address itself)
+        leaders = len({i - i % LOCAL for i in range(w)})
+        print(f"{w:>6} | {per:>44} | {g['flat']['init']:>8.3f}s {ops.get('get', 0):>12} | {g['tree']['init']:>8.3f}s "
+              f"{g['tree']['relay_master_reads'] + leaders * w:>12.0f}")
+    n = max(res["sizes"])
+    r = res["sizes"][n]
+    print(f"rendezvous: clients={n} flat_s={r['flat_join'] + r['flat_bcast']:.3f} "
+          f"tree_s={r['tree_join'] + r['tree_bcast']:.3f}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,99 @@
+"""Rank functions of the group tests (spawned processes: module level, so they pickle)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import traceback
+from pathlib import Path
+from typing import Any
+
+# Two "nodes" on this machine: rank 0 alone, ranks 1, 2, 3 together (rank 1 leads them).
+LAYOUT = [[0], [1, 2, 3]]
+
+
+def _node_of(rank: int, layout: list[list[int]]) -> list[int]:
+    return next(n for n in layout if rank in n)
+
+
+def _join(gen: int, rank: int, world: int, port: int, layout: list[list[int]] | None, timeout_s: float) -> Any:
+    import torch
+
+    from parallel import dist as pdist
+    from workers.group import join_group
+
+    master = pdist.make_store("127.0.0.1", port, world, is_master=True, timeout_s=timeout_s) if rank == 0 else None
+    return join_group(gen, rank, world, "127.0.0.1", port, device=torch.device("cpu"), timeout_s=timeout_s,
+                      master_store=master, local_ranks=_node_of(rank, layout) if layout else None)
+
+
+def _sum(world: int) -> float:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.full((3,), float(dist.get_rank() + 1))
+    dist.all_reduce(t)
+    return float(t[0])
+
+
+def reform(rank: int, world: int, ports: list[int], out: str) -> None:
+    """Generation 0 through the two-level rendezvous (gloo), a sub-group formed through the relay, a
+    key read by both non-leaders of the node (the relay reads it from the master once); generation 1
+    re-formed smaller in the same processes (rank 3 gone); generation 2 flat; generation 3 with rank 3
+    missing, which must fail with the count of ranks that arrived."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    result: dict[str, Any] = {}
+    try:
+        import torch.distributed as dist
+
+        from workers import group
+
+        info = _join(0, rank, world, ports[0], LAYOUT, timeout_s=60)
+        result["gen0_kind"] = info.rendezvous
+        result["gen0_sum"] = _sum(world)
+        sub = dist.new_group([1, 2, 3])  # its keys go through the store too (the relay, for ranks 2 and 3)
+        if rank in (1, 2, 3):
+            import torch
+
+            t = torch.ones(2)
+            dist.all_reduce(t, group=sub)
+            result["sub_sum"] = float(t[0])
+        rdv = group._current
+        assert rdv is not None
+        result["has_master_connection"] = rdv.local is None
+        # The relay's cache, deterministically: rank 0 writes a key; rank 2 reads it (a master read), then
+        # rank 3 (from the cache). The leader reports its counts before and after.
+        if rank == 0:
+            rdv.store.set("probe", b"v")
+        stats: list[Any] = [None] * world
+        dist.all_gather_object(stats, dict(rdv.relay.stats) if rdv.relay else None)
+        result["stats_before"] = stats[1]
+        if rank == 2:
+            result["probe"] = rdv.store.get("probe")
+        dist.barrier()
+        if rank == 3:
+            result["probe"] = rdv.store.get("probe")
+        dist.barrier()
+        dist.all_gather_object(stats, dict(rdv.relay.stats) if rdv.relay else None)
+        result["stats_after"] = stats[1]
+
+        if rank == 3:  # generation 1 goes on without rank 3
+            group.leave_group()
+            result["left"] = True
+        else:
+            info = _join(1, rank, 3, ports[1], [[0], [1, 2]], timeout_s=60)
+            result["gen1_kind"] = info.rendezvous
+            result["gen1_sum"] = _sum(3)
+            info = _join(2, rank, 3, ports[2], None, timeout_s=60)
+            result["gen2_kind"] = info.rendezvous
+            result["gen2_sum"] = _sum(3)
+            try:
+                _join(3, rank, world, ports[3], LAYOUT, timeout_s=3)  # rank 3 never comes
+                result["gen3"] = "joined"
+            except Exception as e:  # noqa: BLE001 - the expected failure, reported to the test
+                result["gen3"] = f"{type(e).__name__}: {e}"
+        group.leave_group()
+        result["port_files"] = sorted(p.name for p in group.RENDEZVOUS_DIR.glob(f"*_{ports[0]}_*"))
+    except BaseException:  # noqa: BLE001 - reported to the test
+        result["error"] = traceback.format_exc()
+    Path(out, f"{rank}.pkl").write_bytes(pickle.dumps(result))

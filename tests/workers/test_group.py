@@ -1,0 +1,49 @@
+"""workers.group in real processes (gloo): the two-level rendezvous forms, re-forms and fails clearly."""
+
+from __future__ import annotations
+
+import pickle
+import tempfile
+from pathlib import Path
+
+import torch.multiprocessing as mp
+
+from tests.parallel._spawn import free_port
+from tests.workers import group_ranks
+
+
+def test_two_level_rendezvous_forms_reforms_and_names_the_missing() -> None:
+    world = 4
+    ports = [free_port() for _ in range(4)]
+    with tempfile.TemporaryDirectory() as out:
+        mp.start_processes(group_ranks.reform, args=(world, ports, out), nprocs=world, join=True,
+                           start_method="spawn")
+        res = [pickle.loads(Path(out, f"{r}.pkl").read_bytes()) for r in range(world)]
+    errors = [f"rank {r}:\n{x['error']}" for r, x in enumerate(res) if "error" in x]
+    assert not errors, "\n".join(errors)
+    # Generation 0: rank 0 is alone on its node (no tree part for it); ranks 1-3 went through rank 1's relay.
+    assert [x["gen0_kind"] for x in res] == ["flat", "tree", "tree", "tree"]
+    assert all(x["gen0_sum"] == 1 + 2 + 3 + 4 for x in res)
+    assert [x.get("sub_sum") for x in res] == [None, 3.0, 3.0, 3.0]
+    # Only the leaders hold a connection to the master; 2 and 3 talk to their leader's relay.
+    assert [x["has_master_connection"] for x in res] == [True, True, False, False]
+    # gloo's full mesh went through the relay: every address read by ranks 2 and 3 was served by it.
+    before, after = res[1]["stats_before"], res[1]["stats_after"]
+    assert before["requests"] > 0 and before["master_reads"] >= world
+    # The probe: one read from the master (rank 2's), one from the relay's cache (rank 3's).
+    assert res[2]["probe"] == res[3]["probe"] == b"v"
+    assert after["master_reads"] - before["master_reads"] == 1
+    assert after["cache_hits"] - before["cache_hits"] == 1
+    # Re-formed smaller in the same processes, two-level then flat.
+    assert res[3]["left"]
+    assert [x["gen1_kind"] for x in res[:3]] == ["flat", "tree", "tree"]
+    assert [x["gen1_sum"] for x in res[:3]] == [6.0, 6.0, 6.0]
+    assert [x["gen2_kind"] for x in res[:3]] == ["flat", "flat", "flat"]
+    assert [x["gen2_sum"] for x in res[:3]] == [6.0, 6.0, 6.0]
+    # Generation 3 waits for rank 3, which never comes: rank 0 counts the ranks that checked in (itself),
+    # rank 1 those of its node (itself and rank 2), rank 2 was never released.
+    assert "TimeoutError: generation 3: 1 of 4 ranks arrived" in res[0]["gen3"], res[0]["gen3"]
+    assert "TimeoutError: generation 3: 2 of this node's 3 ranks [1, 2, 3] arrived" in res[1]["gen3"], res[1]["gen3"]
+    assert "TimeoutError: generation 3: rank 2 was not released by its node's leader (rank 1)" in res[2]["gen3"]
+    # Leaving removes the relay's port file.
+    assert all(x["port_files"] == [] for x in res)

@@ -49,13 +49,14 @@ class JobProgress:
     recoveries: int = 0
     reason: str | None = None
     eval_loss: float | None = None
+    spares: int | None = None  # warm spare replicas ready (jobs with resources.spares)
 
     @classmethod
     def of(cls, job: Job) -> JobProgress:
         p = job.progress
         return cls(job_id=job.id, status=job.status, step=p.step, total_steps=p.total_steps, loss=p.loss,
                    tokens_per_s=p.tokens_per_s, dp=p.dp, generation=p.generation, recoveries=p.recoveries,
-                   reason=job.reason, eval_loss=p.eval_loss)
+                   reason=job.reason, eval_loss=p.eval_loss, spares=p.spares)
 
     def __str__(self) -> str:
         parts = [f"job {self.job_id} {self.status}"]
@@ -68,7 +69,7 @@ class JobProgress:
         if self.tokens_per_s is not None:
             parts.append(f"{self.tokens_per_s:,.0f} tokens/s")
         if self.dp is not None:
-            parts.append(f"dp {self.dp}")
+            parts.append(f"dp {self.dp}" + (f" (+{self.spares} spare)" if self.spares else ""))
         if self.generation is not None:
             parts.append(f"generation {self.generation}")
         if self.recoveries:

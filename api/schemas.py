@@ -23,6 +23,8 @@ class Progress(BaseModel):
     world_size: int | None = None
     generation: int | None = None
     recoveries: int = 0
+    spares: int | None = Field(None, description="warm spare replicas ready beside the group at the last step "
+                               "(jobs with resources.spares)")
 
 
 class RunEstimate(BaseModel):

@@ -38,11 +38,15 @@ class ReplicaReservation:
         )
 
 
-def reserve_replica(job_id: str, index: int, mp: int, per_worker: dict[str, float]) -> ReplicaReservation:
-    """Ask for one replica's bundles (mp x per_worker, one node); check `.ready()` for the grant."""
+def reserve_replica(job_id: str, index: int, mp: int, per_worker: dict[str, float],
+                    prefer_node: str | None = None) -> ReplicaReservation:
+    """Ask for one replica's bundles (mp x per_worker, one node); check `.ready()` for the grant.
+    `prefer_node`: a Ray node id to place it on if that node has room (a soft hint: a hot spare away
+    from the group's nodes)."""
     bundle = {k: float(v) for k, v in per_worker.items() if v} or {"CPU": 0.001}
     pg = placement_group([dict(bundle) for _ in range(mp)], strategy="STRICT_PACK",
-                         name=replica_pg_name(job_id, index), lifetime="detached")
+                         name=replica_pg_name(job_id, index), lifetime="detached",
+                         _soft_target_node_id=prefer_node)
     return ReplicaReservation(index, pg, pg.ready())
 
 

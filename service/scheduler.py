@@ -345,7 +345,8 @@ def _dp_bounds(spec: Any, total: dict[str, float]) -> tuple[int, int]:
 def queued_view(rec: JobRecord, spec: Any, total: dict[str, float]) -> JobView:
     replica, mp = _replica(spec)
     dp_min, dp_max = _dp_bounds(spec, total)
-    return JobView(rec.id, rec.owner, rec.priority, rec.seq, replica, mp, dp_min, dp_max)
+    return JobView(rec.id, rec.owner, rec.priority, rec.seq, replica, mp, dp_min, dp_max,
+                   spares=sizing.spare_replicas(spec))
 
 
 def running_view(rec: JobRecord, spec: Any, total: dict[str, float]) -> JobView:
@@ -357,9 +358,10 @@ def running_view(rec: JobRecord, spec: Any, total: dict[str, float]) -> JobView:
     dp = int(p["dp"]) if isinstance(p.get("dp"), int) else 0
     if rec.target_dp is None or not spec.checkpoint.in_memory_every:
         fixed = max(dp, dp_min, rec.target_dp or 0)
-        return JobView(rec.id, rec.owner, rec.priority, rec.seq, replica, mp, fixed, fixed, dp=dp, target=fixed)
+        return JobView(rec.id, rec.owner, rec.priority, rec.seq, replica, mp, fixed, fixed, dp=dp, target=fixed,
+                       spares=sizing.spare_replicas(spec))
     return JobView(rec.id, rec.owner, rec.priority, rec.seq, replica, mp, dp_min, dp_max, dp=dp,
-                   target=rec.target_dp)
+                   target=rec.target_dp, spares=sizing.spare_replicas(spec))
 
 
 def _spec_of(rec: JobRecord) -> Any:

@@ -57,10 +57,22 @@ def worker_resources(spec: Any) -> dict[str, float]:
     return out
 
 
+def spare_replicas(spec: Any) -> int:
+    """Warm spare replicas the job keeps beside its group (resources.spares).
+
+    The one rule about their cost: a spare holds a whole replica's resources, so a job holds its dp
+    replicas plus its spares. Admission asks for dp.min + spares replicas (gang_demand) and the
+    scheduler counts a running job at what it runs plus its spares (service.scheduling.snapshot.JobView,
+    built with this number), so no other job is admitted into capacity the spares take."""
+    return int(getattr(spec.resources, "spares", 0) or 0)
+
+
 def gang_demand(spec: Any, workers: int | None = None) -> dict[str, float]:
-    """Resources for `workers` workers (default: the minimum world), all or nothing."""
-    n = job_world_size(spec)[0] if workers is None else workers
-    return {k: v * n for k, v in worker_resources(spec).items()}
+    """Resources for `workers` workers, all or nothing (default: the minimum world plus the spares'
+    workers, what a job needs to be admitted: see spare_replicas)."""
+    if workers is None:
+        workers = job_world_size(spec)[0] + spare_replicas(spec) * model_parallel_size(spec)
+    return {k: v * workers for k, v in worker_resources(spec).items()}
 
 
 def max_workers_fitting(per_worker: dict[str, float], free: dict[str, float]) -> int | None:
@@ -102,28 +114,44 @@ def model_layout_problems(spec: Any) -> list[tuple[str, str]]:
 
 
 def dp_problems(spec: Any) -> list[tuple[str, str]]:
-    """resources.dp against the parallelism section (parallel.dims.dp_range_problems)."""
-    dp_min, _ = dp_range(spec)
-    return [x.pair() for x in dims.dp_range_problems(spec.parallelism, dp_min, spec.resources.dp.max)]
+    """resources.dp against the parallelism section (parallel.dims.dp_range_problems), and spares
+    against the dp range."""
+    dp_min, dp_max = dp_range(spec)
+    problems = [x.pair() for x in dims.dp_range_problems(spec.parallelism, dp_min, spec.resources.dp.max)]
+    spares = spare_replicas(spec)
+    if spares and dp_max is None and not spec.parallelism.auto:
+        problems.append(("resources.spares", f"spares={spares} needs a bounded data-parallel degree: this job grows "
+                         "to fill the cluster (parallelism.dp_shard: -1 without resources.dp.max), so no "
+                         "capacity would be left for spares; set resources.dp.max, or spares: 0"))
+    return problems
 
 
 def cluster_problems(spec: Any, cluster_total: dict[str, float] | None) -> list[tuple[str, str]]:
-    """The minimum gang must fit the whole cluster (not only what is free now)."""
+    """The minimum gang, with the job's spares, must fit the whole cluster (not only what is free now).
+    When the gang alone fits and only the spares do not, resources.spares is the field to fix."""
     problems: list[tuple[str, str]] = []
     if cluster_total is not None:
-        demand = gang_demand(spec)
-        for k, v in demand.items():
+        min_world = job_world_size(spec)[0]
+        alone = gang_demand(spec, min_world)
+        spares = spare_replicas(spec)
+        spare_workers = spares * model_parallel_size(spec)
+        for k, v in gang_demand(spec).items():
             have = cluster_total.get(k, 0.0)
-            if have + 1e-9 < v:
-                min_world = job_world_size(spec)[0]
-                field = {CPU: "resources.cpus_per_worker", GPU: "resources.gpus_per_worker"}.get(
-                    k, f"resources.custom.{k}"
+            if have + 1e-9 >= v:
+                continue
+            if have + 1e-9 >= alone.get(k, 0.0):
+                problems.append(("resources.spares", f"the minimum world of {min_world} workers plus spares={spares} "
+                                 f"({spare_workers} more workers) needs {v:g} {k} but the whole cluster has "
+                                 f"{have:g}; lower resources.spares or resources.dp.min"))
+                continue
+            field = {CPU: "resources.cpus_per_worker", GPU: "resources.gpus_per_worker"}.get(
+                k, f"resources.custom.{k}"
+            )
+            problems.append(
+                (
+                    field,
+                    f"the minimum world of {min_world} workers needs {alone.get(k, 0.0):g} {k} but the whole "
+                    f"cluster has {have:g}; lower resources.dp.min, the parallel sizes or the per-worker ask",
                 )
-                problems.append(
-                    (
-                        field,
-                        f"the minimum world of {min_world} workers needs {v:g} {k} but the whole cluster "
-                        f"has {have:g}; lower resources.dp.min, the parallel sizes or the per-worker ask",
-                    )
-                )
+            )
     return problems

@@ -11,7 +11,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from checkpointing.config import CheckpointConfig
@@ -35,6 +43,10 @@ class DPRange(_Strict):
         return self
 
 
+# Spare replicas a job may keep: each holds a replica's resources while it waits.
+MAX_SPARES = 16
+
+
 class Resources(_Strict):
     dp: DPRange = Field(default_factory=DPRange)
     cpus_per_worker: float = Field(1.0, ge=0, le=1024)
@@ -42,6 +54,9 @@ class Resources(_Strict):
     custom: dict[str, Annotated[float, Field(ge=0, le=1e9)]] = Field(
         default_factory=dict, description="extra Ray resources per worker"
     )
+    spares: int = Field(0, description="warm spare replicas kept beside the group (workers started, data "
+                        "opened), on other nodes where possible: a failed replica is replaced by one at the "
+                        "next generation, so dp does not shrink. Each holds a replica's resources.")
 
     @model_validator(mode="after")
     def _names(self) -> Resources:
@@ -49,6 +64,17 @@ class Resources(_Strict):
         if bad:
             raise ValueError(f"custom resource names must be 1-128 printable characters; fix {bad[:3]!r}")
         return self
+
+    @field_validator("spares")
+    @classmethod
+    def _spares(cls, n: int) -> int:
+        if n < 0:
+            raise ValueError(f"spares={n} is negative; give the number of warm spare replicas to keep: 0 (none) "
+                             "or more")
+        if n > MAX_SPARES:
+            raise ValueError(f"spares={n} is more than {MAX_SPARES}; each spare holds a whole replica's "
+                             f"resources: keep at most {MAX_SPARES} (one or two cover a failure at a time)")
+        return n
 
 
 class FaultTolerance(_Strict):

@@ -78,6 +78,8 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("unbroken_recoveries_total", "counter", "recoveries of a job, by cause", ("job_id", "cause")),
     MetricDef("unbroken_dp_degree", "gauge", "data-parallel degree of the job now", ("job_id",)),
     MetricDef("unbroken_generation", "gauge", "generation of the job's worker group", ("job_id",)),
+    MetricDef("unbroken_spares", "gauge", "warm spare replicas ready beside the job's group (resources.spares)",
+              ("job_id",)),
     MetricDef("unbroken_store_write_failures", "gauge",
               "failed attempts of the job's supervisor to write the job store so far (each is retried)", ("job_id",)),
     MetricDef("unbroken_store_backlog", "gauge", "writes the supervisor holds for the job store, unwritten", ("job_id",)),
@@ -223,15 +225,22 @@ def record_recovery(job_id: str, cause: str) -> None:
     ms["unbroken_recoveries_total"].inc(1.0, tags={"job_id": str(job_id), "cause": str(cause)})
 
 
+_spares: dict[str, int] = {}  # job -> warm spares last recorded (re-set with the group's shape)
+
+
 @_never_raises
-def record_group(job_id: str, dp: int, generation: int) -> None:
-    """The worker group's shape at each (re)formation: the one place dp degree and generation are set."""
+def record_group(job_id: str, dp: int, generation: int, spares: int | None = None) -> None:
+    """The worker group's shape at each (re)formation: the one place dp degree, generation and warm spares
+    are set. spares=None re-sets the last count recorded (0 for a job without spares)."""
     ms = _get()
     if ms is None:
         return
     job = _tags(job_id)
+    if spares is not None:
+        _spares[str(job_id)] = int(spares)
     ms["unbroken_dp_degree"].set(float(dp), tags=job)
     ms["unbroken_generation"].set(float(generation), tags=job)
+    ms["unbroken_spares"].set(float(_spares.get(str(job_id), 0)), tags=job)
 
 
 @_never_raises

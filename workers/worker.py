@@ -120,6 +120,26 @@ class Worker:
             "replica": self.opts.replica, "local": self.opts.local,
         }
 
+    def warm(self) -> dict[str, Any]:
+        """Get ready outside any group, then answer `info` (the pool calls this once, at start): open the
+        job's data (tokenized once per process, cached: parallel.data.corpus) and build the model on the
+        meta device (its code imported and traced once), so a spare that joins a generation later only
+        forms the group, shards and restores. A problem here is left to the start-up probe and the
+        generation's own build to report with their reasons; `warm` in the answer says what happened."""
+        t0 = time.perf_counter()
+        warmed: dict[str, Any] = {}
+        try:
+            from parallel.data import DataLoader
+            from parallel.model import build_model
+
+            t = self.cfg.training
+            DataLoader(self.cfg.data, t.seq_len, t.global_batch_size, self.cfg.model.vocab_size, t.micro_batch_size)
+            build_model(self.cfg.model, device="meta")
+        except Exception as e:  # noqa: BLE001 - reported by the probe and the build, where it matters
+            warmed["error"] = f"{type(e).__name__}: {e}"[:500]
+        warmed["seconds"] = round(time.perf_counter() - t0, 3)
+        return {**self.info(), "warm": warmed}
+
     def open_store(self, generation: int, world_size: int, timeout_s: float) -> int:
         """As the coming generation's rank 0: host its TCPStore on a fresh port; returns the port."""
         from workers.group import open_master_store

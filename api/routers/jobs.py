@@ -48,6 +48,7 @@ def job_out(rec: JobRecord, *, with_spec: bool = True) -> schemas.Job:
         world_size=p.get("world_size"),
         generation=p.get("generation"),
         recoveries=rec.recoveries,
+        spares=p.get("spares"),
     )
     return schemas.Job(
         id=rec.id, name=rec.name, owner=rec.owner, status=rec.status, reason=rec.reason,  # type: ignore[arg-type]

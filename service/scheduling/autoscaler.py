@@ -38,9 +38,9 @@ def queued_demand(snap: Snapshot, plan: Plan) -> Bundles:
         out += _worker_bundles(j.replica, j.workers_per_replica, j.held)
     for j in snap.queued:
         if j.id in plan.admit:
-            out += _worker_bundles(j.replica, j.workers_per_replica, plan.admit[j.id])
+            out += _worker_bundles(j.replica, j.workers_per_replica, plan.admit[j.id] + j.spares)
     for j in waiting:
-        out += _worker_bundles(j.replica, j.workers_per_replica, j.dp_min)
+        out += _worker_bundles(j.replica, j.workers_per_replica, j.gang)
     return out
 
 

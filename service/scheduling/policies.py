@@ -120,7 +120,7 @@ def select_shrinks(job: JobView, free: Resources, running: Sequence[JobView]) ->
     fits already; None when shrinking every job that may shrink would not free enough."""
     cands = [j for j in running if j.elastic and j.priority <= job.priority]
     give = {j.id: max(0, j.target - j.dp_min) for j in cands}
-    take = _choose(_deficit(job.demand(job.dp_min), free), cands, give, job.priority)
+    take = _choose(_deficit(job.demand(job.gang), free), cands, give, job.priority)
     if take is None:
         return None
     targets = by_id(cands)
@@ -130,7 +130,7 @@ def select_shrinks(job: JobView, free: Resources, running: Sequence[JobView]) ->
 def select_preemptions(job: JobView, free: Resources, running: Sequence[JobView]) -> list[str] | None:
     """Kill-based preemption (the baseline): whole lower-priority jobs to stop, the fewest and lowest."""
     cands = [j for j in running if j.priority < job.priority]
-    take = _choose(_deficit(job.demand(job.dp_min), free), cands, {j.id: j.held for j in cands}, job.priority)
+    take = _choose(_deficit(job.demand(job.gang), free), cands, {j.id: j.held for j in cands}, job.priority)
     if take is None:
         return None
     return sorted(take)
@@ -188,14 +188,14 @@ def plan(s: Snapshot, mode: Mode = "shrink", *, freed_by: str | None = None, gro
     started: list[JobView] = []
     for jid in adm.admit:
         j = queued[jid]
-        free = sub(free, j.demand(j.dp_min))
+        free = sub(free, j.demand(j.gang))
         out.admit[jid] = j.dp_min
         started.append(JobView(j.id, j.owner, j.priority, j.seq, j.replica, j.workers_per_replica, j.dp_min,
-                               j.dp_max, dp=0, target=j.dp_min))
+                               j.dp_max, dp=0, target=j.dp_min, spares=j.spares))
     if adm.blocked is not None:  # the capacity that frees up is this job's: nothing grows meanwhile
         job = queued[adm.blocked]
         soon = add(free, s.releasing())
-        if covers(soon, job.demand(job.dp_min)):
+        if covers(soon, job.demand(job.gang)):
             out.waiting[job.id] = "waiting for running jobs to finish shrinking"
         elif mode == "shrink":
             targets = select_shrinks(job, soon, s.running)
@@ -218,7 +218,7 @@ def plan(s: Snapshot, mode: Mode = "shrink", *, freed_by: str | None = None, gro
     for j in started:
         u = usage.setdefault(j.owner, OwnerUsage())
         u.jobs += 1
-        u.workers += j.target * j.workers_per_replica
+        u.workers += j.held * j.workers_per_replica
     for jid, new in sorted(plan_growth(free, jobs, s.weights, s.quotas, usage).items()):
         if jid in out.admit:
             out.admit[jid] = new  # starts bigger: no resize of a job that has not started

@@ -48,6 +48,7 @@ class JobView:
     dp_max: int
     dp: int = 0
     target: int = 0
+    spares: int = 0  # warm spare replicas it keeps beside its group (service.sizing.spare_replicas)
 
     @property
     def elastic(self) -> bool:
@@ -55,8 +56,14 @@ class JobView:
 
     @property
     def held(self) -> int:
-        """Replicas counted as taken: a shrinking job frees its surplus only once its resize is done."""
-        return max(self.dp, self.target)
+        """Replicas counted as taken: a shrinking job frees its surplus only once its resize is done; its
+        spares are held all along."""
+        return max(self.dp, self.target) + self.spares
+
+    @property
+    def gang(self) -> int:
+        """Replicas it needs to start: its minimum gang and its spares."""
+        return self.dp_min + self.spares
 
     @property
     def releasing(self) -> int:
@@ -67,8 +74,8 @@ class JobView:
         return scaled(self.replica, dp)
 
     def queued_job(self) -> QueuedJob:
-        return QueuedJob(self.id, self.owner, self.priority, self.seq, self.dp_min * self.workers_per_replica,
-                         self.demand(self.dp_min))
+        return QueuedJob(self.id, self.owner, self.priority, self.seq, self.gang * self.workers_per_replica,
+                         self.demand(self.gang))
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from service.supervisor.reporter import RecoveryTiming, Reporter
 from workers.protocol import RunStatus
 
 _START_GRACE_S = 2.0
+_SPARES_GRACE_S = 15.0  # how long a started group waits for its spares that are starting with it
 
 
 @dataclass
@@ -146,12 +147,21 @@ class Controller:
             pool.request()
         deadline = time.monotonic() + run.ft.wait_for_capacity_s
         grace_until: float | None = None
+        spares_until: float | None = None
+        spares_at = time.monotonic() + _START_GRACE_S  # spares are asked for once the group is placed
         while True:
             run.check_cancel()
             pool.advance()
+            if spares_at and (pool.count(ReplicaState.PENDING) == 0 or time.monotonic() >= spares_at):
+                self.gens.fit_pool()  # the spares, each on the node holding the fewest of the group
+                spares_at = 0.0
             ready = pool.count(ReplicaState.READY)
             if ready >= want:
-                break
+                # Spares asked for with the group start with it: they are waited for a little (so the
+                # group is chosen knowing where they are), never for capacity (a PENDING one is not).
+                spares_until = spares_until or time.monotonic() + _SPARES_GRACE_S
+                if pool.count(ReplicaState.STARTING) == 0 or time.monotonic() >= spares_until:
+                    break
             if ready >= run.dp_min and pool.count(ReplicaState.STARTING) == 0:
                 grace_until = grace_until or time.monotonic() + _START_GRACE_S
                 if time.monotonic() >= grace_until:
@@ -163,10 +173,10 @@ class Controller:
                     f"{run.ft.wait_for_capacity_s:g}; add capacity or lower resources.dp.min"
                 )
             time.sleep(0.05)
-        reps = pool.in_state(ReplicaState.READY)
+        reps = pool.members(want)  # the rest: spares, on other nodes
         self.gens.probe(reps[0].slots[0])
         ck = run.spec.checkpoint
-        self.gens.launch(0, reps[:want], restore=ck.resume or bool(ck.resume_from))
+        self.gens.launch(0, reps, restore=ck.resume or bool(ck.resume_from))
         self.reporter.to(JobState.RUNNING, "workers started")
         return Running()
 
@@ -223,23 +233,26 @@ class Controller:
             res = s.result
             if s.dead is None and res is not None and res.status == RunStatus.ERROR and not res.collective:
                 pool.kill(s, "its step raised")
+        lost = [rep.index for rep in active if any(s.dead is not None for s in rep.slots)]
         for rep in active:
-            if any(s.dead is not None for s in rep.slots):
+            if rep.index in lost:
                 pool.drop(rep, "lost a member")
             else:
                 rep.state = ReplicaState.READY
+        spares_before = [r.index for r in pool.in_state(ReplicaState.READY) if r.index not in {a.index for a in active}]
         self.gens.fit_pool()
         dp = self._choose_dp()
         if dp is None:
             dp = self._wait_for_capacity()
         if dp < old_dp:
             self._check_resize_fits(dp)
-        reps = pool.in_state(ReplicaState.READY)[:dp]
+        reps = pool.members(dp, keep=[r.index for r in active])
         t_launch = time.time()
         self.gens.launch(old_gen + 1, reps, restore=True)
         if dp != old_dp:
             reporter.event("resized", f"dp {old_dp} -> {dp} (world {old_dp * run.mp} -> {dp * run.mp})",
                            old_dp=old_dp, new_dp=dp, generation=run.generation, cause=failure.kind.value)
+        self.gens.tell_swap([r for r in reps if r.index in spares_before], lost, old_dp, dp)
         reporter.begin_recovery(RecoveryTiming(
             kind=failure.kind.value, cause=failure.cause(), t_fault=failure.t_fault, t_detect=t_detect,
             t_launch=t_launch, last_step=last_step, generation=run.generation))
@@ -257,15 +270,15 @@ class Controller:
         old_dp, paused = run.dp, max(steps, default=gens.pausing)
         gens.pausing = None
         self._await_commit(paused)
-        spares = pool.in_state(ReplicaState.READY)
-        new_dp = min(gens.target, len(active) + len(spares))
+        ready = pool.in_state(ReplicaState.READY)
+        new_dp = min(gens.target, len(active) + len(ready))
         if new_dp < len(active):
             self._check_resize_fits(new_dp)
             for rep in active[new_dp:]:  # the last replicas leave; their capacity goes back to the cluster
                 pool.drop(rep, f"released at dp={new_dp}")
             reps = active[:new_dp]
-        else:
-            reps = active + spares[: new_dp - len(active)]
+        else:  # ready replicas join; those left out (on other nodes where possible) stay as spares
+            reps = pool.members(new_dp, keep=[r.index for r in active])
         restored = self.committer.committed
         gens.launch(run.generation + 1, reps, restore=True)
         gens.fit_pool()

@@ -19,7 +19,7 @@ from service.supervisor.agents import AgentTracker
 from service.supervisor.committer import SnapshotCommitter
 from service.supervisor.context import JobFailed, JobRun
 from service.supervisor.detection import Failure, FailureDetector, root_cause
-from service.supervisor.pool import LIVE, Replica, ReplicaPool, ReplicaState, Slot
+from service.supervisor.pool import LIVE, Replica, ReplicaPool, ReplicaState, Slot, spares_wanted
 from service.supervisor.reporter import Reporter
 from service.supervisor.words import first_line, plural, restore_phrase
 from workers import telemetry
@@ -62,6 +62,9 @@ class Generations:
         # beyond it are released; a generation above it pauses at its next snapshot and re-forms smaller.
         self.target: int = run.dp_max
         self.target_reason: str = ""
+        self.spares_wanted = spares_wanted(run)  # resources.spares: READY replicas kept beyond the target
+        self._spares_told: tuple[int, ...] | None = None  # the spares (replica indices) the last event named
+        self.spares_now = 0  # spares ready beside the running group, as last counted (see with_spares)
 
     def set_target(self, dp: int, reason: str) -> None:
         run = self.run
@@ -70,14 +73,20 @@ class Generations:
         self.target, self.target_reason = dp, reason
 
     def fit_pool(self) -> None:
-        """Replicas to the target: ask for the missing ones (they start when capacity allows), release
-        those not needed (a reservation first, a ready spare last; active ones leave at a pause)."""
+        """Replicas to the target plus the spares wanted: ask for the missing ones (they start when
+        capacity allows; a spare on the node with the fewest of the job's replicas), release those not
+        needed (a reservation first, a ready spare last; active ones leave at a pause)."""
         pool = self.pool
         live = pool.count(*LIVE)
         while live < self.target:
             pool.request()
             live += 1
-        surplus = live - max(self.target, pool.count(ReplicaState.ACTIVE))
+        if live < self.target + self.spares_wanted:
+            hint = pool.spare_node_hint()
+            while live < self.target + self.spares_wanted:
+                pool.request(prefer_node=hint)
+                live += 1
+        surplus = live - max(self.target, pool.count(ReplicaState.ACTIVE)) - self.spares_wanted
         for state in (ReplicaState.PENDING, ReplicaState.STARTING, ReplicaState.READY):
             for rep in reversed(pool.in_state(state)):
                 if surplus <= 0:
@@ -144,11 +153,15 @@ class Generations:
             s.run_ref = s.handle.run.remote(generation, s.rank, world, host, port, dp, restore=target,
                                             timeout_s=timeout, keepers=keepers or None,
                                             agent=agents.get(str((s.info or {}).get("node_name"))))
-        telemetry.record_group(run.job_id, dp, generation)
+        self.spares_now = len(self.pool.spares())
+        telemetry.record_group(run.job_id, dp, generation, spares=self.spares_now)
         self.reporter.event("generation", f"Generation {generation} starts with {plural(world, 'worker')} at "
                             f"dp={dp}" + restore_phrase(target) + ".",
                             generation=generation, dp=dp, world_size=world, restore=target,
-                            ranks={s.name: s.rank for s in slots}, keepers=sorted(keepers), agents=sorted(agents))
+                            ranks={s.name: s.rank for s in slots}, keepers=sorted(keepers), agents=sorted(agents),
+                            nodes=sorted({r.node_name or "?" for r in reps}),
+                            **({"spares": self.spares_now} if self.spares_wanted else {}))
+        self._spares_told = None  # the spares are told again against this generation's members
 
     def _launch_failed(self, slots: list[Slot], rank0: Slot, e: BaseException) -> None:
         """Rank 0 died or stopped answering before the generation could form (e.g. killed during a
@@ -191,6 +204,7 @@ class Generations:
             self.committer.commit()  # flushes the metrics rows first
             self.reporter.maybe_flush_logs()
             self.pool.advance()
+            self.tell_spares()
             slots = self.pool.active_slots()
             pending = [s for s in slots if s.result is None]
             if pending:
@@ -224,6 +238,72 @@ class Generations:
                 return f
             self.fit_pool()
             self._maybe_pause_to_resize(slots)
+
+    # ----------------------------------------------------------------- spares
+    def tell_spares(self) -> None:
+        """An event and the spares gauge whenever the warm spares beside the running group change (a job
+        with resources.spares only): how many are ready of how many wanted, and on which nodes."""
+        if not self.spares_wanted or not self.pool.count(ReplicaState.ACTIVE):
+            return
+        self._drop_silent_spares()
+        spares = self.pool.spares()
+        self.spares_now = len(spares)
+        now = tuple(r.index for r in spares)
+        if now == self._spares_told:
+            return
+        self._spares_told = now
+        members = {r.node_name for r in self.pool.in_state(ReplicaState.ACTIVE)}
+        nodes = [r.node_name or "?" for r in spares]
+        apart = sum(1 for r in spares if r.node_name not in members)
+        where = (f" on node {', '.join(nodes)} ({apart} of them away from the group's nodes "
+                 f"{', '.join(sorted(str(m) for m in members))})" if spares else "")
+        short = self.spares_wanted - len(spares)
+        self.reporter.event("spares", f"{len(spares)} of {plural(self.spares_wanted, 'warm spare replica')} "
+                            f"ready{where}" + (f"; {short} more when capacity allows" if short > 0 else "") + ".",
+                            spares=len(spares), wanted=self.spares_wanted, replicas=list(now), nodes=nodes,
+                            group_nodes=sorted(str(m) for m in members), apart=apart, generation=self.run.generation)
+        telemetry.record_group(self.run.job_id, self.run.dp, self.run.generation, spares=len(spares))
+
+    def _drop_silent_spares(self) -> None:
+        """A spare whose worker stopped beating (died, hung, its node lost) for heartbeat_timeout_s is
+        dropped, so a failure never picks it; fit_pool asks for a new one. Its workers beat even outside
+        the group (workers.worker's heartbeat thread), to the supervisor directly."""
+        limit = self.run.ft.heartbeat_timeout_s
+        now, mono = time.time(), time.monotonic()
+        hbs = self.run.heartbeats()
+        for rep in self.pool.spares():
+            for s in rep.slots:
+                seen = hbs.get(s.name, (None, None))[0]
+                silent = (mono - rep.since) if seen is None else now - max(seen, now - (mono - rep.since))
+                if silent > limit:
+                    self.reporter.event("spare_lost", f"Spare replica {rep.index} ({s.short} on node "
+                                        f"{rep.node_name or '?'}) was silent for {silent:.0f}s: dropped; another "
+                                        "is asked for.", replica=rep.index, worker=s.name, silent_s=round(silent, 1))
+                    self.pool.drop(rep, "silent spare")
+                    break
+
+    def tell_swap(self, joined: list[Replica], lost: list[int], old_dp: int, dp: int) -> None:
+        """The `spare_swapped` event: warm spares that took the place of lost replicas in the generation
+        just launched (the job's dp held, or shrank less than it would have without them)."""
+        if not joined:
+            return
+        nodes = [r.node_name or "?" for r in joined]
+        held = "dp stays" if dp >= old_dp else "dp"
+        self.reporter.event(
+            "spare_swapped", f"{plural(len(joined), 'warm spare replica')} ({', '.join(str(r.index) for r in joined)} "
+            f"on node {', '.join(nodes)}) replaced lost replica(s) {', '.join(str(i) for i in lost) or '?'} in "
+            f"generation {self.run.generation}: {held} {dp}" + (f" (was {old_dp})" if dp != old_dp else "") + ".",
+            generation=self.run.generation, replicas=[r.index for r in joined], lost=lost, nodes=nodes,
+            old_dp=old_dp, dp=dp, spares_left=len(self.pool.spares()))
+
+    def with_spares(self, row: dict[str, Any]) -> dict[str, Any]:
+        """A copy of a rank's metrics row, which for a job with spares says how many were ready when it
+        came (metrics.jsonl and the API's progress carry it). Called by the actor's inbox thread: it reads
+        the count the controller's thread last set, never the pool itself."""
+        out = dict(row)
+        if self.spares_wanted:
+            out["spares"] = self.spares_now
+        return out
 
     def _maybe_pause_to_resize(self, slots: list[Slot]) -> None:
         """Pause at the next snapshot boundary when the generation should re-form: smaller, because the

@@ -1,9 +1,14 @@
 """The replica pool: one placement group and tp x pp x cp worker actors per data-parallel replica.
 
-A replica moves PENDING (reserved, waiting for its bundles) -> STARTING (workers created) -> READY
-(a spare, every worker answered) -> ACTIVE (in the current generation) -> back to READY between
-generations; DEAD once a member is lost or it is dropped. Nothing here blocks: `advance` moves
-replicas along as far as they can go now.
+A replica moves PENDING (reserved, waiting for its bundles) -> STARTING (workers created and warming
+up: engine imported, data opened) -> READY (every worker answered, outside the group) -> ACTIVE (in
+the current generation) -> back to READY between generations; DEAD once a member is lost or it is
+dropped. Nothing here blocks: `advance` moves replicas along as far as they can go now.
+
+Hot spares (resources.spares: K): the pool holds K READY replicas beyond the group's target, placed
+on nodes other than the group's where the cluster allows (`choose_members` leaves the replicas on
+other nodes out of the group; a replacement spare is asked for on the node holding the fewest of the
+job's replicas). A failure re-forms the next generation with a spare in place of the lost replica.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ import os
 import signal
 import socket
 import time
+from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -69,6 +76,44 @@ class Replica:
     state: ReplicaState = ReplicaState.PENDING
     since: float = field(default_factory=time.monotonic)
 
+    @property
+    def node(self) -> str | None:
+        """The Ray node id its workers run on (STRICT_PACK: one node), once they answered."""
+        info = self.slots[0].info if self.slots else None
+        return str(info["node_id"]) if info and info.get("node_id") else None
+
+    @property
+    def node_name(self) -> str | None:
+        info = self.slots[0].info if self.slots else None
+        return str(info["node_name"]) if info and info.get("node_name") else None
+
+
+def spares_wanted(run: JobRun) -> int:
+    """The warm spare replicas the job keeps beside its group (resources.spares; service.sizing's rule)."""
+    from service.sizing import spare_replicas
+
+    return spare_replicas(run.spec)
+
+
+def choose_members(ready: list[Replica], n: int, keep: Collection[int] = ()) -> list[Replica]:
+    """The `n` replicas of `ready` that form the next generation; the others stay out as spares.
+
+    The last generation's members (`keep`, by index) come first, so a swap changes only the lost
+    replica. The rest are taken node by node: first from nodes the chosen members already use, then from
+    the node holding the most of `ready`, so the replicas left out sit on other nodes than the group's
+    wherever the placement allows (a node failure then does not take the group's replica and its spare).
+    Ties go to the lower index."""
+    chosen = sorted((r for r in ready if r.index in keep), key=lambda r: r.index)[:n]
+    taken = {r.index for r in chosen}
+    rest = [r for r in ready if r.index not in taken]
+    per_node = Counter(r.node for r in ready)
+    while len(chosen) < n and rest:
+        used = {r.node for r in chosen}
+        best = min(rest, key=lambda r: (r.node not in used or r.node is None, -per_node[r.node], r.index))
+        chosen.append(best)
+        rest = [r for r in rest if r.index != best.index]
+    return chosen
+
 
 class ReplicaPool:
     def __init__(self, run: JobRun, reporter: Reporter) -> None:
@@ -89,17 +134,44 @@ class ReplicaPool:
         return [s for r in self.replicas.values() if r.state == ReplicaState.ACTIVE for s in r.slots]
 
     # ----------------------------------------------------------------- growing the pool
-    def request(self) -> Replica:
+    def request(self, prefer_node: str | None = None) -> Replica:
+        """Reserve one more replica; `prefer_node` (a Ray node id) is a soft hint Ray follows if it can."""
         idx = self._next_replica
         self._next_replica += 1
-        rep = Replica(idx, reserve_replica(self.run.job_id, idx, self.run.mp, self.run.per_worker))
+        rep = Replica(idx, reserve_replica(self.run.job_id, idx, self.run.mp, self.run.per_worker,
+                                           prefer_node=prefer_node))
         self.replicas[idx] = rep
         return rep
 
     def top_up(self) -> None:
-        """Ask for replacements so active + spares + on the way reach dp_max (they start when capacity allows)."""
-        while self.count(*LIVE) < self.run.dp_max:
+        """Ask for replacements so active + spares + on the way reach dp_max plus the spares wanted (they
+        start when capacity allows)."""
+        while self.count(*LIVE) < self.run.dp_max + spares_wanted(self.run):
             self.request()
+
+    def members(self, n: int, keep: Collection[int] = ()) -> list[Replica]:
+        """The next generation's `n` replicas among the ACTIVE and READY ones (choose_members)."""
+        live = self.in_state(ReplicaState.ACTIVE) + self.in_state(ReplicaState.READY)
+        return choose_members(live, n, keep)
+
+    def spares(self) -> list[Replica]:
+        """READY replicas while a generation runs: warm, outside the group, ready to replace a lost one."""
+        return self.in_state(ReplicaState.READY) if self.count(ReplicaState.ACTIVE) else []
+
+    def spare_node_hint(self) -> str | None:
+        """Where a new spare should go: the live node that holds the fewest of the job's replicas (none,
+        where one is free) among those whose resources cover a replica; None when no node qualifies."""
+        need = {k: v * self.run.mp for k, v in self.run.per_worker.items() if v}
+        held = Counter(n for r in self.replicas.values() if r.state in LIVE and (n := _placed_on(r)))
+        try:
+            nodes = [n for n in ray.nodes() if n.get("Alive")
+                     and all(float(n.get("Resources", {}).get(k, 0.0)) + 1e-9 >= v for k, v in need.items())]
+        except Exception:  # noqa: BLE001 - a hint only: Ray places the spare where it can
+            return None
+        if not nodes:
+            return None
+        best = min(nodes, key=lambda n: (held[n["NodeID"]], n["NodeID"]))
+        return str(best["NodeID"])
 
     def _spawn(self, rep: Replica) -> None:
         from service.store import spec_to_private_json
@@ -131,7 +203,7 @@ class ReplicaPool:
                 scheduling_strategy=rep.res.strategy(local), runtime_env={"env_vars": env},
             ).remote(name, engine, ckpt, opts, run.self_handle)
             slot = Slot(name, handle, rep.index, local)
-            slot.info_ref = handle.info.remote()
+            slot.info_ref = handle.warm.remote()  # its info, once the engine is imported and the data open
             rep.slots.append(slot)
         rep.state = ReplicaState.STARTING
         rep.since = time.monotonic()
@@ -150,6 +222,7 @@ class ReplicaPool:
                     for s in rep.slots:
                         s.info = ray.get(s.info_ref)
                     rep.state = ReplicaState.READY
+                    rep.since = time.monotonic()
                     where = sorted({str(s.info.get("node_name")) for s in rep.slots if s.info})
                     self.reporter.event("replica_ready", f"Replica {rep.index} is ready: "
                                         f"{plural(self.run.mp, 'worker')} on node {', '.join(where)}.",
@@ -264,6 +337,16 @@ class ReplicaPool:
                 with contextlib.suppress(Exception):
                     release(get_placement_group(info["name"]))
         return last_gen
+
+
+def _placed_on(rep: Replica) -> str | None:
+    """The node a replica is on: its workers' answer, else (still starting) where Ray placed its bundles."""
+    if rep.node or rep.res is None or rep.state == ReplicaState.PENDING:
+        return rep.node
+    with contextlib.suppress(Exception):
+        placed = ray.util.placement_group_table(rep.res.pg).get("bundles_to_node_id") or {}
+        return str(placed[0]) if placed.get(0) else None
+    return None
 
 
 def spec_engine_json(run: JobRun) -> str:

@@ -1,0 +1,136 @@
+"""Hot spares (resources.spares) on a real two-node LocalCluster, through the supervisor and through the
+control plane (job store, scheduler, REST API, SDK).
+
+A 3-worker FSDP job keeps one warm spare replica: rank 1 is killed at step 3; the next generation takes
+the spare in its place, so dp stays 3 (no `resized` event) and every step's loss equals the uninterrupted
+run's at the same dp (≤1e-4, fp32). A new spare is started in place of the one used, and the spares show
+in the events, the metrics rows and the API. The same job without a spare shrinks 3 -> 2 as before.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from service.local_cluster import LocalCluster
+from tests.runtime.conftest import make_cluster
+from tests.runtime.jobs import JobRun, assert_no_leaks, assert_same_losses, engine_of, tiny_spec
+
+STEPS = 24
+KILL = {"kind": "kill_worker", "step": 3, "rank": 1}
+# After the swap rank 0 sleeps before each step, so the job lasts long enough for the replacement spare
+# to start (a new worker process) before it ends; the losses do not depend on it.
+SLOW = {"kind": "slow_worker", "step": 4, "rank": 0, "seconds": 0.5, "generation": 1}
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    """Head with room for four 0.5-CPU workers, node b for two: the group and a spare on another node."""
+    yield from make_cluster(2, {"b": 1})
+
+
+def spec(out: Path, *, spares: int, chaos: list[dict[str, Any]] | None = None) -> Any:
+    s = tiny_spec(out, steps=STEPS, dp=3, dp_min=1, chaos=chaos)
+    return s.model_copy(update={"resources": s.resources.model_copy(update={"spares": spares})})
+
+
+@pytest.fixture(scope="module")
+def reference(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """The uninterrupted run at the same dp (3 processes, the local launcher: no Ray, no faults)."""
+    from workers.launcher import run_local
+
+    out = tmp_path_factory.mktemp("ref")
+    res = run_local(engine_of(spec(out, spares=0)), 3, out, show_progress=False)
+    rows = [json.loads(x) for x in Path(res.metrics_path).read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1)) and {r["dp"] for r in rows} == {3}
+    return rows
+
+
+def _check_swapped(events: list[dict[str, Any]], rows: list[dict[str, Any]], ref: list[dict[str, Any]]) -> None:
+    kinds = [e["kind"] for e in events]
+    assert "failure_detected" in kinds and "resized" not in kinds, kinds
+    gens = [e["data"] for e in events if e["kind"] == "generation"]
+    assert [g["dp"] for g in gens] == [3, 3], gens
+    swapped = [e for e in events if e["kind"] == "spare_swapped"]
+    assert len(swapped) == 1, kinds
+    assert swapped[0]["data"]["dp"] == swapped[0]["data"]["old_dp"] == 3, swapped[0]
+    assert "dp stays 3" in swapped[0]["message"], swapped[0]["message"]
+    # The spare was warm and outside the group: it joined generation 1 as a new rank, from memory.
+    spare = swapped[0]["data"]["replicas"][0]
+    ranks0, ranks1 = gens[0]["ranks"], gens[1]["ranks"]
+    assert len(ranks0) == len(ranks1) == 3 and set(ranks0) != set(ranks1), (ranks0, ranks1)
+    recovered = [e["data"] for e in events if e["kind"] == "recovered"]
+    assert recovered and recovered[0]["source"] == ["keepers"] and recovered[0]["lost_steps"] <= 1, recovered
+    # Before the fault one spare was ready; after it, none, then a new one (replenished), never the old one.
+    told = [e["data"] for e in events if e["kind"] == "spares"]
+    before = [t for t in told if t["generation"] == 0]
+    assert before and before[-1]["spares"] == 1 and spare in before[-1]["replicas"], told
+    after = [t for t in told if t["generation"] == 1]
+    assert after and after[-1]["spares"] == 1 and spare not in after[-1]["replicas"], told
+    # Where the cluster allowed it, the spare sat away from the group's nodes.
+    if before[-1]["apart"] == 0:
+        assert set(before[-1]["group_nodes"]) == {"head", "b"}, before[-1]
+    # Every row: dp 3; rows carry the spares ready at their step; the losses are the uninterrupted run's.
+    assert {r["dp"] for r in rows} == {3}, [r["dp"] for r in rows]
+    assert {r["spares"] for r in rows} <= {0, 1} and rows[0]["spares"] == 1, [r.get("spares") for r in rows]
+    assert_same_losses(rows, ref)
+
+
+@pytest.mark.timeout(600)
+def test_a_killed_rank_is_replaced_by_a_spare(reference: list[dict[str, Any]], tmp_path: Path) -> None:
+    run = JobRun(spec(tmp_path, spares=1, chaos=[KILL, SLOW]))
+    try:
+        st = run.wait()
+        assert st["state"] == "SUCCEEDED", run.events
+        _check_swapped(run.events, run.rows(), reference)
+        started = [e for e in run.events if e["kind"] == "replica_ready"]
+        assert len(started) == 5, [e["message"] for e in started]  # 3 in the group, the spare, its replacement
+    finally:
+        run.finish()
+    assert_no_leaks(run.job_id)
+
+
+@pytest.mark.timeout(600)
+def test_without_a_spare_the_job_still_shrinks(reference: list[dict[str, Any]], tmp_path: Path) -> None:
+    run = JobRun(spec(tmp_path, spares=0, chaos=[KILL]))
+    try:
+        st = run.wait()
+        assert st["state"] == "SUCCEEDED", run.events
+        resized = [(e["data"]["old_dp"], e["data"]["new_dp"]) for e in run.of("resized")]
+        assert resized[:1] == [(3, 2)], run.kinds()
+        assert not run.of("spare_swapped") and not run.of("spares"), run.kinds()
+        rows = run.rows()
+        assert "spares" not in rows[0], rows[0]
+        assert_same_losses(rows, reference)
+    finally:
+        run.finish()
+    assert_no_leaks(run.job_id)
+
+
+@pytest.mark.timeout(600)
+def test_spares_through_the_control_plane(reference: list[dict[str, Any]], tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Submitted with the SDK, admitted by the scheduler with its spare counted, the same swap; the API
+    shows the spares in the job's progress and events."""
+    from tests.control_plane import ControlPlane
+
+    monkeypatch.setenv("UNBROKEN_HOME", str(tmp_path / "home"))
+    cp = ControlPlane(f"sqlite:///{tmp_path / 'store.db'}")
+    try:
+        client = cp.client()
+        job = client.submit(spec(tmp_path / "job", spares=1, chaos=[KILL, SLOW]))
+        done = client.wait(job.id, timeout=420)
+        assert done.status == "SUCCEEDED", done
+        events = [{"kind": e.kind, "message": e.message, "data": e.data or {}}
+                  for e in client.events(job.id, follow=False)]
+        _check_swapped(events, client.metrics(job.id), reference)
+        got = client.get(job.id)
+        assert got.progress.spares in (0, 1) and got.progress.dp == 3, got.progress
+        assert got.spec is not None and got.spec["resources"]["spares"] == 1
+        assert_no_leaks(job.id)
+    finally:
+        cp.stop()

@@ -5,6 +5,7 @@
     commit_snapshot(keepers, job_id, generation, step, world_size)   # supervisor, once all acked
     latest_committed(keepers, job_id)                                # -> step | None
     drop_job(keepers, job_id)                                        # job finished / cancelled
+    find_keepers()                                                   # every keeper of the cluster, by name
     kill_keepers(keepers)                                            # tests, cluster teardown
 
 A keeper is `keeper-<node>` in namespace "unbroken", num_cpus=0, pinned to its node by Ray's node
@@ -392,6 +393,19 @@ def current_node_is_head() -> bool:
     return any(is_head(n) for n in ray.nodes() if n["NodeID"] == node_id)
 
 
+def find_keepers() -> dict[str, ActorHandle]:
+    """{node: handle} of every keeper of the cluster (named `keeper-<node>` in the namespace), found by
+    name: a job's end frees its memory also on keepers its supervisor no longer knows."""
+    prefix = keeper_name("")
+    out: dict[str, ActorHandle] = {}
+    for a in ray.util.list_named_actors(all_namespaces=True):
+        name = str(a.get("name", ""))
+        if a.get("namespace") == NAMESPACE and name.startswith(prefix):
+            with contextlib.suppress(ValueError):  # gone since the listing
+                out[name[len(prefix):]] = ray.get_actor(name, namespace=NAMESPACE)
+    return out
+
+
 def alive_keepers(keepers: dict[str, ActorHandle], timeout_s: float = 5.0) -> dict[str, ActorHandle]:
     """The keepers that answer a ping within timeout_s (drop the others before snapshotting)."""
     results, _errors = _call_all(keepers, "ping", timeout_s=timeout_s)
@@ -449,13 +463,16 @@ def snapshot_holders(
 
 
 def commit_snapshot(
-    keepers: dict[str, ActorHandle], job_id: str, generation: int, step: int, world_size: int
+    keepers: dict[str, ActorHandle], job_id: str, generation: int, step: int, world_size: int,
+    min_copies: int | None = None,
 ) -> bool:
     """Commit snapshot (generation, step) if every rank's shard is held on enough keepers.
 
-    Enough = two distinct keepers (one when the cluster has a single node). Returns False, changing
-    nothing, when some shard is still missing (not sent yet, refused, or its keeper died); True once
-    every live holder has marked it committed (which frees older snapshots, see Keeper).
+    Enough = two distinct keepers (one when the cluster has a single node), or `min_copies` when given:
+    a restore about to read the snapshot needs only one live copy of each shard (after a node loss the
+    other copy of every shard it held is gone). Returns False, changing nothing, when some shard is
+    still missing (not sent yet, refused, or its keeper died); True once every live holder has marked
+    it committed (which frees older snapshots, see Keeper).
     """
     # Each keeper answers for this snapshot only (its ring share), so a commit's cost grows with the
     # nodes, not with every shard every keeper holds.
@@ -472,7 +489,7 @@ def commit_snapshot(
         )
     # Copies on the keepers that answered: a dead keeper (killed, its node alive) must not stop every
     # commit until the next re-form replaces it; with one keeper left, one copy is all there can be.
-    need = required_copies({n: keepers[n] for n in results})
+    need = required_copies({n: keepers[n] for n in results}) if min_copies is None else min_copies
     if not results or any(copies.get(r, 0) < need for r in range(world_size)):
         return False
     nodes = sorted(n for n, ranks in results.items() if ranks)

@@ -13,6 +13,9 @@ at once when a rank or a member node is lost):
                        the ranks it saw lost (RankLost), and the rare notes relayed as they are
 Worker -> supervisor, as the return value of `run`:
     RunResult          how the rank's part of a generation ended (RunStatus)
+Supervisor -> worker, after the supervisor restarted (notes sent while it was down are lost):
+    rows_after(step)   the metrics rows of the steps after `step` the worker completed, each as
+                       (generation, rank, row): every rank keeps its newest rows for this
 
 Every note carries the worker's name, generation, rank and the time it was sent, and the output
 lines the worker printed since its last note (`logs`: (time, stream, line)), so the job's logs

@@ -51,6 +51,10 @@ from workers.train_loop import LoopHooks, train
 
 log = logging.getLogger("unbroken.worker")
 
+# Metrics rows a worker keeps (its own, every rank's, the newest ones): a supervisor that restarts gets
+# back the rows it never wrote from them (Worker.rows_after). Far more steps than a restart takes.
+ROWS_KEPT = 4096
+
 
 @dataclass
 class WorkerOptions:
@@ -105,6 +109,10 @@ class Worker:
         self.step = 0
         self._last: StepReport | None = None
         self.max_step_time_s: float | None = None
+        # step -> (generation, rank, metrics row) of the steps this worker completed, newest ROWS_KEPT: notes
+        # are fire and forget, so rows sent while the supervisor was down are asked for again after its restart.
+        self._rows: dict[int, tuple[int, int, dict[str, Any]]] = {}
+        self._rows_lock = threading.Lock()
         from workers.chaos import Chaos
 
         self.chaos = Chaos(self.opts.chaos, is_head_node=lambda: self.on_head, on_fire=self._fired)
@@ -165,6 +173,22 @@ class Worker:
     def pause_at(self, generation: int, step: int) -> None:
         """Finish step `step` (and its snapshot), then return from `run` with status 'paused'."""
         self._stop_at = (generation, step)
+
+    def rows_after(self, step: int) -> list[tuple[int, int, dict[str, Any]]]:
+        """(generation, rank, metrics row) of the steps after `step` this worker completed, in step order.
+
+        A restarted supervisor asks this of the workers it adopts: rank 0 sent these rows while it was
+        down, and they were lost with it. Rows up to `step` are written already: they are let go."""
+        with self._rows_lock:
+            for s in [s for s in self._rows if s <= step]:
+                del self._rows[s]
+            return [self._rows[s] for s in sorted(self._rows)]
+
+    def _keep_row(self, generation: int, rank: int, row: dict[str, Any]) -> None:
+        with self._rows_lock:
+            self._rows[int(row["step"])] = (generation, rank, row)
+            while len(self._rows) > ROWS_KEPT:
+                del self._rows[min(self._rows)]
 
     def shutdown(self) -> None:
         self._hb_stop.set()
@@ -361,13 +385,15 @@ class _WorkerHooks(LoopHooks):
         telemetry.record_step(w.opts.job_id, w.rank, m)
         block_s = self.tiers.after_step(trainer, self.generation)
         w._last = StepReport(trainer.step, gap_s, m.step_time_s, m.loss)
+        row = metrics_line(m, generation=self.generation)
+        # The checkpoint tiers' share of the training thread this step, and when the step ended
+        # (wall-clock throughput includes what happens between steps; tokens_per_s does not).
+        row["ckpt_block_s"] = block_s
+        row["end_time"] = time.time()
+        w._keep_row(self.generation, w.rank, row)  # every rank: any survivor can give it back (rows_after)
         metrics = None
         if w.rank == 0:
-            metrics = metrics_line(m, generation=self.generation)
-            # The checkpoint tiers' share of the training thread this step, and when the step ended
-            # (wall-clock throughput includes what happens between steps; tokens_per_s does not).
-            metrics["ckpt_block_s"] = block_s
-            metrics["end_time"] = time.time()
+            metrics = row
             if trainer.step % w.cfg.training.log_every == 0 or trainer.step == steps:
                 log.info("step %d/%d: loss %.4f, %.0f tokens/s, step %.3fs", trainer.step, steps, m.loss,
                          m.tokens_per_s, m.step_time_s)
@@ -410,6 +436,7 @@ class _Tiers:
             self.snap = SnapshotClient(worker.opts.job_id, rank, world_size, worker.node_name, self.keepers,
                                        optimizer=self.optimizer, timeout_s=max(30.0, timeout_s))
         self._waited_seen = 0.0
+        self._snap_in_flight: Any = None  # the last snapshot's handle, until its send is done
 
     def _hook_waits(self) -> float:
         """Total time optimizer steps have waited for the tiers' copies so far."""
@@ -425,8 +452,10 @@ class _Tiers:
         waited = self._hook_waits() - self._waited_seen
         step = trainer.step
         if self.snap is not None and step % self.snap_every == 0:
+            self._wait_for_last_snapshot()
             handle = self.snap.snapshot(trainer.state_dict(), step, generation)
             handle.add_done_callback(self._snapshotted)
+            self._snap_in_flight = handle
         if self.persist_every and step % self.persist_every == 0:
             layout = {"dp": trainer.dims.dp, "world_size": self.world}
             handle = self.persistent.save_async(trainer.state_dict(), step, generation, layout,
@@ -434,6 +463,17 @@ class _Tiers:
             handle.add_done_callback(self._persisted)
         self._waited_seen = self._hook_waits()
         return waited + time.perf_counter() - t0
+
+    def _wait_for_last_snapshot(self) -> None:
+        """At most one snapshot is being sent: the next starts once the keepers hold the last one. So the
+        snapshot of step s is held by the end of step s + in_memory_every, and a rank lost after that step
+        costs at most the steps since s (one with in_memory_every: 1), however slow the sends get (without
+        this wait they queue up behind each other, each holding a copy of the state). The wait counts in
+        the step's blocking time; it is zero while a send takes less than the steps between snapshots."""
+        h = self._snap_in_flight
+        if h is not None and not h.done():
+            with contextlib.suppress(Exception):  # a failed or late send is reported by its own ack
+                h.result(timeout=self.snap.timeout_s + 5.0)
 
     def _snapshotted(self, res: Any) -> None:
         if res.ok:

@@ -3,6 +3,8 @@
 A snapshot (generation, step) is committed once every rank acknowledged it and the keepers hold the
 copies; only up to the last step whose metrics row is written, so a restore never skips a step
 whose row was lost (e.g. held in memory when this supervisor crashed): it goes back and re-runs it.
+Before a new generation restores, the keepers are also asked what they hold whole (acks are fire and
+forget: those sent while this supervisor was down never came), so it restores the newest such step.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class SnapshotCommitter:
         self.committed: tuple[int, int] | None = None  # the newest committed snapshot (generation, step)
         self.ever_committed = False
         self.snapshot_errors = 0
+        self._asked_keepers = False  # restore_target has asked the keepers once (after our restart: the first)
 
     def on_ack(self, generation: int, step: int, rank: int, world_size: int, ok: bool) -> None:
         """A rank's snapshot note (called under the run's lock)."""
@@ -122,12 +125,22 @@ class SnapshotCommitter:
         self.reporter.settle_store()  # the rows just flushed count for the commit (not minutes: see there)
         self.commit()
         lookup_failed = None
-        if self.committed is None and self.keepers:  # e.g. after our own restart: ask the keepers
+        if self.keepers:
+            # Ask the keepers what they hold whole, not only what the acks say: acks are fire and forget,
+            # and those sent while this supervisor was down (or restarting) or through an agent lost with
+            # its node never came. A newer whole snapshot there is committed and restored.
             try:
-                self.committed = self._newest_in_keepers()
+                found = self._newest_in_keepers()
+                if found is not None and (self.committed is None or found > self.committed):
+                    with self.run.lock:
+                        self.committed = found
+                        self.ever_committed = True
+                        for k in [k for k in self._acks if k <= found]:
+                            self._acks.pop(k)
             except Exception as e:  # noqa: BLE001 - said below, in must_restore
                 lookup_failed = f"{type(e).__name__}: {e}"
                 log.warning("asking the keepers for committed snapshots failed: %s", lookup_failed)
+            self._asked_keepers = True
         if self.committed is not None:
             return {"generation": self.committed[0], "step": self.committed[1]}
         target: dict[str, Any] = {"step": None, "generation": None}
@@ -137,20 +150,25 @@ class SnapshotCommitter:
         return target
 
     def _newest_in_keepers(self) -> tuple[int, int] | None:
-        """After our own restart: the newest snapshot the keepers hold whole, committed now if the crashed
-        instance had not yet, up to the last metrics row written (its rows are in metrics.jsonl), so the
-        steps its commit still trailed are not lost. Else the keepers' newest committed one."""
+        """The newest snapshot the keepers hold whole, committed now if it was not yet, up to the last
+        metrics row written (so a restore never skips a step whose row was lost). Else the keepers' newest
+        committed one. After our own restart the rows are those of metrics.jsonl (and those the adopted
+        workers gave back), so the steps the crashed instance's commit still trailed are not lost."""
         from checkpointing.keeper import commit_snapshot, snapshot_holders
 
         holders, world, committed, _ = snapshot_holders(self.keepers, self.run.job_id)
         newest = committed[-1] if committed else None
         # A restarted instance re-sends to the store the rows metrics.jsonl has (Reporter.open_outputs).
-        rows = self.reporter.last_row_step if self.run.restarted else self.reporter.committable_step
+        first_after_restart = self.run.restarted and not self._asked_keepers
+        rows = self.reporter.last_row_step if first_after_restart else self.reporter.committable_step
         for key in sorted(holders, reverse=True):
             if newest is not None and key <= newest:
                 break
+            # One live copy of each shard is enough here: the next generation reads it now, and a newer
+            # whole snapshot beats an older one held twice (after a node loss, every snapshot since the
+            # last commit has shards whose other copy went with the node).
             if key[1] <= rows and commit_snapshot(
-                    self.keepers, self.run.job_id, key[0], key[1], world[key]):
+                    self.keepers, self.run.job_id, key[0], key[1], world[key], min_copies=1):
                 return (int(key[0]), int(key[1]))
         return (int(newest[0]), int(newest[1])) if newest is not None else None
 
@@ -191,11 +209,20 @@ class SnapshotCommitter:
             log.warning("fencing generation %d on the keepers failed: %s", generation, e)
 
     def drop_job(self) -> int:
-        """Free the job's keeper memory; the bytes freed."""
-        if not self.keepers:
+        """Free the job's keeper memory on every keeper of the cluster; the bytes freed.
+
+        Not only the keepers this instance knows: a node written off (its agent fell silent, or Ray said
+        it was gone) may live on with its keeper, and an instance that restarted never knew the keepers of
+        nodes the job had left. Either would keep the job's shards until the keeper dies."""
+        from checkpointing.keeper import drop_job, find_keepers
+
+        keepers = dict(self.keepers)
+        try:
+            keepers.update({n: h for n, h in find_keepers().items() if n not in keepers})
+        except Exception as e:  # noqa: BLE001 - the known keepers are still freed
+            log.warning("listing the cluster's keepers failed: %s", e)
+        if not keepers:
             return 0
         with contextlib.suppress(Exception):
-            from checkpointing.keeper import drop_job
-
-            return int(drop_job(self.keepers, self.run.job_id))
+            return int(drop_job(keepers, self.run.job_id))
         return 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 import traceback
 from dataclasses import dataclass
+from typing import Any
 
 import ray
 
@@ -22,8 +23,9 @@ from service.supervisor.committer import SnapshotCommitter
 from service.supervisor.context import CancelRequested, JobFailed, JobRun
 from service.supervisor.detection import Failure
 from service.supervisor.generations import GenerationEnd, Generations
-from service.supervisor.pool import ReplicaPool, ReplicaState
+from service.supervisor.pool import ReplicaPool, ReplicaState, Slot
 from service.supervisor.reporter import RecoveryTiming, Reporter
+from service.supervisor.words import plural
 from workers.protocol import RunStatus
 
 _START_GRACE_S = 2.0
@@ -181,19 +183,76 @@ class Controller:
         return Running()
 
     def _adopt(self) -> State:
-        self.reporter.event("supervisor_restarted", "the supervisor restarted; finding the job's workers")
-        last_gen = self.pool.adopt()
-        self.reporter.event("adopted", f"found {sum(len(r.slots) for r in self.pool.replicas.values())} live "
-                            f"worker(s) of generation {last_gen}", generation=last_gen)
-        self.run.generation = last_gen
+        """Take over after our own restart. The workers trained on while this supervisor was down, and
+        the notes they sent meanwhile (metrics rows, snapshot acks) were lost with it; so the rows come
+        back from the workers themselves (Worker.rows_after) and the snapshots from the keepers, which
+        hold them (SnapshotCommitter.restore_target): the new generation restores the step the workers
+        had reached, or the one before, not the last commit the crashed instance made."""
+        run, pool, reporter = self.run, self.pool, self.reporter
+        t_detect = time.time()
+        reporter.event("supervisor_restarted", "the supervisor restarted; finding the job's workers")
+        done = reporter.stored_recoveries()
+        if done is not None:  # the count goes on (max_recoveries holds across our restarts)
+            run.recoveries = max(run.recoveries, done)
+        last_gen = pool.adopt()
+        slots = [s for r in pool.in_state(ReplicaState.READY) for s in r.slots]
+        rows = self._rows_from_workers(slots)
+        reached = max([int((s.info or {}).get("step") or 0) for s in slots] + [reporter.last_row_step])
+        with run.lock:
+            run.last_step_seen = max(run.last_step_seen, reached)
+        reporter.event("adopted", f"found {len(slots)} live worker(s) of generation {last_gen}, which had reached "
+                       f"step {reached}; {plural(rows, 'metrics row')} they sent while the supervisor was down "
+                       "came back from them", generation=last_gen, step=reached, rows_recovered=rows,
+                       recoveries=run.recoveries)
+        run.generation = last_gen
         dp = self._choose_dp()
         if dp is None:
             dp = self._wait_for_capacity()
         reps = self.pool.in_state(ReplicaState.READY)[:dp]
         self.gens.fit_pool()
+        t_launch = time.time()
         self.gens.launch(last_gen + 1, reps, restore=True)
-        self.reporter.to(JobState.RUNNING, "re-formed after a supervisor restart")
+        # Timed and told like a recovery (one `recovered` event), its lost steps counted from `reached`.
+        reporter.begin_recovery(RecoveryTiming(
+            kind="supervisor_restarted", cause="a restart of the supervisor", t_fault=None, t_detect=t_detect,
+            t_launch=t_launch, last_step=reached, generation=run.generation))
+        reporter.to(JobState.RUNNING, "re-formed after a supervisor restart")
         return Running()
+
+    def _rows_from_workers(self, slots: list[Slot], timeout_s: float = 10.0) -> int:
+        """The metrics rows after the last one written, from the adopted workers (they keep their newest
+        rows: Worker.rows_after), written now in step order; how many. Per step the newest generation's row
+        is taken, rank 0's first; another rank's only without pipeline stages (then every rank's row is the
+        same global loss). Only the unbroken run after the last row written is taken: a row is never skipped."""
+        reporter = self.reporter
+        after = reporter.last_row_step
+        refs = [s.handle.rows_after.remote(after) for s in slots]
+        if not refs:
+            return 0
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        any_rank = self.run.spec.parallelism.pp == 1
+        best: dict[int, tuple[tuple[int, bool], dict[str, Any]]] = {}
+        for ref in ready:
+            try:
+                got = ray.get(ref, timeout=1.0)
+            except Exception:  # noqa: BLE001, S112 - a worker lost meanwhile: the others have its rows
+                continue
+            for gen, rank, row in got:
+                if rank != 0 and not any_rank:
+                    continue
+                step, key = int(row["step"]), (int(gen), rank == 0)
+                if step not in best or key > best[step][0]:
+                    best[step] = (key, row)
+        step, out = after + 1, []
+        while step in best:
+            out.append(best[step][1])
+            step += 1
+        if out:
+            with self.run.lock:
+                for row in out:
+                    self.run.pending_rows.setdefault(int(row["step"]), row)
+            reporter.flush_metrics()
+        return len(out)
 
     def _watch(self) -> State:
         end = self.gens.watch()

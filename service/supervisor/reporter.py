@@ -138,7 +138,7 @@ class Reporter:
         the store (it was down) go to the store now, in order."""
         if self.writer is None:
             return
-        rec = self.run.store.get_job(self.run.job_id)
+        rec = self._stored_job()
         stored = int(((rec.progress if rec is not None else None) or {}).get("step", 0) or 0)
         self.writer.stored_row_step = stored
         missing = [r for r in written if int(r["step"]) > stored]
@@ -146,6 +146,32 @@ class Reporter:
             log.info("job %s: %d metrics row(s) the store lacks are written again", self.run.job_id, len(missing))
             self.writer.put("metrics", self.run.store.add_metrics, self.run.job_id, missing,
                             row_step=int(missing[-1]["step"]))
+
+    def _stored_job(self, within_s: float = 60.0) -> Any:
+        """The job's record in the store (None without one), waiting out a store outage for `within_s`:
+        a supervisor that restarts while PostgreSQL restarts too must not fail the job for it."""
+        if self.run.store is None:
+            return None
+        deadline = time.monotonic() + within_s
+        while True:
+            try:
+                return self.run.store.get_job(self.run.job_id)
+            except Exception as e:
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("job %s: the store cannot be read yet (%s); retrying", self.run.job_id, first_line(e))
+                time.sleep(1.0)
+
+    def stored_recoveries(self) -> int | None:
+        """After our own restart: the recoveries the job has been through (the store counts every move to
+        RECOVERING), so the count and fault_tolerance.max_recoveries go on from there. None without a store
+        or when it cannot be read."""
+        try:
+            rec = self._stored_job()
+        except Exception as e:  # noqa: BLE001 - the count starts from this instance's own, and says so
+            log.warning("job %s: the recoveries so far could not be read: %s", self.run.job_id, first_line(e))
+            return None
+        return int(rec.recoveries) if rec is not None else None
 
     def close_outputs(self) -> None:
         """The job's end: its files closed and its last store writes (the final status) made."""

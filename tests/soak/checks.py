@@ -63,6 +63,9 @@ _EXPECTED = {
     "kill_worker": ("worker_died", 2), "sigkill_worker": ("worker_died", 2), "hang_worker": ("hang", 2),
     "raise_in_step": ("step_error", 2), "kill_node": ("node_died", 2), "slow_worker": ("straggler", 15),
 }  # fmt: skip
+# A node's loss may be seen first as what it causes: its ranks' peers fail in a collective before Ray or
+# the node's agent has said the node is gone (the supervisor names the root cause it has by then).
+_ALSO = {"kill_node": ("collective_error",)}
 
 
 def _names_cause(kind: str, message: str) -> bool:
@@ -87,12 +90,16 @@ def match_events(faults: list[Fault], acted: dict[int, tuple[int | None, str]], 
             expect, late = _EXPECTED[f.kind]
             cand = [i for i in failures if i not in used
                     and f.step - 1 <= int(evs[i][2].get("step") or 0) <= f.step + late]
+            also = _ALSO.get(f.kind, ())
             hit = next((i for i in cand if _names_cause(f.kind, evs[i][1])),
-                       next((i for i in cand if evs[i][2].get("kind") == expect), None))
+                       next((i for i in cand if evs[i][2].get("kind") == expect),
+                            next((i for i in cand if evs[i][2].get("kind") in also), None)))
             if hit is not None:
                 used.add(hit)
                 row.detected = f"{evs[hit][2].get('kind')}: {_short(evs[hit][1])}"
-                row.ok = _names_cause(f.kind, evs[hit][1]) or evs[hit][2].get("kind") == expect
+                row.ok = _names_cause(f.kind, evs[hit][1]) or evs[hit][2].get("kind") in (expect, *also)
+                if evs[hit][2].get("kind") in also:
+                    row.note = f"seen first as what it caused ({evs[hit][2].get('kind')}), before the node's loss"
                 _recovery(row, evs, hit)
             elif _fired(f, logs):
                 # It acted while the supervisor was down (the workers train on meanwhile): the restarted
@@ -110,12 +117,20 @@ def match_events(faults: list[Fault], acted: dict[int, tuple[int | None, str]], 
             if hit is not None:
                 used.add(hit)
                 row.detected, row.ok = "supervisor_restarted: adopted the running workers", True
+                adopted = next((e for e in evs[hit:] if e[0] == "adopted"), None)
                 gen = next((e for e in evs[hit:] if e[0] == "generation"), None)
-                if gen is not None and row.step is not None:
-                    restored = (gen[2].get("restore") or {}).get("step")
-                    row.lost = max(0, row.step - int(restored)) if restored is not None else None
-                    row.note = (f"re-formed from the snapshot of step {restored}; the workers may have trained "
-                                "on while it was down, so at least this many steps were run again")
+                restored = (gen[2].get("restore") or {}).get("step") if gen is not None else None
+                # The step the workers had reached when the restarted supervisor stopped them (they train
+                # on while it is down): what a restore behind it loses. Older supervisors did not say it.
+                reached = (adopted[2].get("step") if adopted is not None else None)
+                reached = int(reached) if reached is not None else row.step
+                if restored is not None and reached is not None:
+                    row.lost = max(0, reached - int(restored))
+                    row.note = f"the workers had reached step {reached}; re-formed from the snapshot of step {restored}"
+                rec = next((e for e in evs[hit:] if e[0] in ("recovered", "recovery_interrupted", "failure_detected")),
+                           None)
+                if rec is not None and rec[0] == "recovered" and rec[2].get("kind") == "supervisor_restarted":
+                    row.recovery_s = rec[2].get("total_s")
         else:
             row.step, row.note = acted.get(n, (None, "did not act"))
             row.ok = n in acted

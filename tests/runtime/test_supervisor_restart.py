@@ -1,0 +1,87 @@
+"""A supervisor killed mid-job while its workers train on: the restarted one loses at most one step.
+
+Notes are fire and forget, so the metrics rows and snapshot acks the ranks send while their supervisor
+is down are lost with it. The restarted supervisor gets the rows back from the workers it adopts
+(Worker.rows_after) and the snapshots from the keepers, so the new generation restores the step the
+workers had reached (or the one before), not the crashed instance's last commit; and the job's count of
+recoveries goes on from the store's.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.runtime.jobs import assert_no_leaks, assert_same_losses, engine_of, tiny_spec
+
+STEPS = 16
+
+
+def _progress(store: Any, job_id: str) -> int:
+    job = store.get_job(job_id)
+    return int(((job.progress if job is not None else None) or {}).get("step", 0) or 0)
+
+
+@pytest.mark.slow
+def test_supervisor_killed_while_workers_train_on(head_cluster: Any, tmp_path: Path) -> None:
+    import json
+
+    import ray
+
+    from service.store import JobStore
+    from service.supervisor import find_supervisor, launch_supervisor
+    from workers.launcher import run_local
+    from workers.worker import engine_for_dp
+
+    # Every rank's step takes ~0.4 s, so the ranks train on for several steps while the supervisor
+    # restarts; rank 1's step 3 raises first: one recovery, counted before the restart.
+    slow = [{"kind": "slow_worker", "step": 0, "rank": r, "seconds": 0.4} for r in range(2)]
+    spec = tiny_spec(tmp_path / "job", steps=STEPS, dp=2, dp_min=1,
+                     chaos=[*slow, {"kind": "raise_in_step", "step": 2, "rank": 1}])
+    clean = tiny_spec(tmp_path / "ref", steps=STEPS, dp=2, dp_min=1)
+    # The fault-free run in one process (the loss does not depend on dp: batch invariance).
+    ref_run = run_local(engine_for_dp(engine_of(clean), 1), 1, tmp_path / "ref", show_progress=False)
+    reference = [json.loads(x) for x in Path(ref_run.metrics_path).read_text().splitlines()]
+
+    store = JobStore(f"sqlite:///{tmp_path / 'jobs.db'}")
+    rec, _ = store.create_job(spec, "alice", min_world=1, max_world=2)
+    assert store.mark_admitted(rec.id)
+    launch_supervisor(rec.id, spec, store_url=store.url)
+    deadline = time.monotonic() + 300
+    while not any(e.kind == "recovered" for e in store.events(rec.id)) or _progress(store, rec.id) < 6:
+        assert time.monotonic() < deadline, [(e.kind, e.message) for e in store.events(rec.id)]
+        time.sleep(0.2)
+    ray.kill(find_supervisor(rec.id), no_restart=False)  # as a crash: Ray restarts it
+    while not (job := store.get_job(rec.id)) or not job.terminal:
+        assert time.monotonic() < deadline, [(e.kind, e.message) for e in store.events(rec.id)]
+        time.sleep(0.5)
+    events = store.events(rec.id)
+    said = [(e.kind, e.message) for e in events]
+    assert job.status == "SUCCEEDED", said
+    kinds = [e.kind for e in events]
+    assert "supervisor_restarted" in kinds, said
+    adopted = next(e for e in events if e.kind == "adopted")
+    reached, rows_back = int(adopted.data["step"]), int(adopted.data["rows_recovered"])
+    # What this test is about: the crashed instance never wrote rows the workers sent while it was down.
+    assert rows_back >= 2, f"the workers did not train on while the supervisor was down: {adopted.message}"
+    after = kinds.index("adopted")
+    gen = next(e for e in events[after:] if e.kind == "generation")
+    assert gen.data["restore"]["step"] >= reached - 1, (gen.message, adopted.message)
+    rec_ev = next(e for e in events[after:] if e.kind == "recovered")
+    assert rec_ev.data["kind"] == "supervisor_restarted" and rec_ev.data["lost_steps"] <= 1, rec_ev.message
+    for e in events:
+        if e.kind == "recovered":
+            assert e.data["lost_steps"] <= 1, e.message
+    # The count of recoveries went on across the restart (1: the raise in rank 1's step).
+    finished = next(e for e in events if e.kind == "finished")
+    assert finished.data["recoveries"] == 1 == store.get_job(rec.id).recoveries, finished.message
+    assert_same_losses(sorted(store.metrics(rec.id), key=lambda r: r["step"]), reference)
+    rows = [json.loads(x) for x in (tmp_path / "job" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    deadline = time.monotonic() + 60
+    while find_supervisor(rec.id) is not None and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert_no_leaks(rec.id)

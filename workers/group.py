@@ -453,7 +453,10 @@ def join_group(
         except BaseException:
             leave_group()
             raise
-    return GroupInfo(generation, rank, world_size, host, port, timeout_s, time.perf_counter() - t0, kind, rdv_s)
+    join_s = time.perf_counter() - t0
+    log.info("generation %d: rank %d of %d joined through a %s rendezvous (%.3fs; group formed in %.3fs)",
+             generation, rank, world_size, kind, rdv_s, join_s)
+    return GroupInfo(generation, rank, world_size, host, port, timeout_s, join_s, kind, rdv_s)
 
 
 def uses_nccl() -> bool:

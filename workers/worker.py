@@ -51,6 +51,9 @@ from workers.train_loop import LoopHooks, train
 
 log = logging.getLogger("unbroken.worker")
 
+# A spare warms up with one step of the whole model (Worker._warm_step) up to this many parameters.
+WARM_STEP_MAX_PARAMS = 50_000_000
+
 # Metrics rows a worker keeps (its own, every rank's, the newest ones): a supervisor that restarts gets
 # back the rows it never wrote from them (Worker.rows_after). Far more steps than a restart takes.
 ROWS_KEPT = 4096
@@ -142,11 +145,34 @@ class Worker:
 
             t = self.cfg.training
             DataLoader(self.cfg.data, t.seq_len, t.global_batch_size, self.cfg.model.vocab_size, t.micro_batch_size)
-            build_model(self.cfg.model, device="meta")
+            model = build_model(self.cfg.model, device="meta")
+            params = sum(p.numel() for p in model.parameters())
+            warmed["step"] = self._warm_step() if params <= WARM_STEP_MAX_PARAMS else False
         except Exception as e:  # noqa: BLE001 - reported by the probe and the build, where it matters
             warmed["error"] = f"{type(e).__name__}: {e}"[:500]
         warmed["seconds"] = round(time.perf_counter() - t0, 3)
         return {**self.info(), "warm": warmed}
+
+    def _warm_step(self) -> bool:
+        """One training step of the job's model alone (world 1, one sequence, then thrown away): the
+        process's first forward, backward and optimizer step (autograd's threads, the kernels' first
+        calls) are paid here rather than in the first step after it joins a group. Only for a layout
+        without model parallelism (one rank holds the whole model) and a model small enough to hold."""
+        import torch.distributed as dist
+
+        p = self.cfg.parallelism
+        if dist.is_initialized() or p.tp * p.pp * p.cp * p.ep != 1:
+            return False
+        if self.cfg.training.compile or self.cfg.model.init_from:  # minutes of compiling / a checkpoint read
+            return False
+        from parallel.trainer import Trainer
+
+        cfg = engine_for_dp(self.cfg, 1)
+        cfg.training = cfg.training.model_copy(update={"global_batch_size": 1, "micro_batch_size": None,
+                                                       "eval_every": None})
+        cfg.data = cfg.data.model_copy(update={"eval": None})
+        Trainer(cfg, device=self._device(0)).train_step()
+        return True
 
     def open_store(self, generation: int, world_size: int, timeout_s: float) -> int:
         """As the coming generation's rank 0: host its TCPStore on a fresh port; returns the port."""

@@ -299,7 +299,6 @@ class Controller:
             else:
                 rep.state = ReplicaState.READY
         spares_before = [r.index for r in pool.in_state(ReplicaState.READY) if r.index not in {a.index for a in active}]
-        self.gens.fit_pool()
         dp = self._choose_dp()
         if dp is None:
             dp = self._wait_for_capacity()
@@ -312,6 +311,7 @@ class Controller:
             reporter.event("resized", f"dp {old_dp} -> {dp} (world {old_dp * run.mp} -> {dp * run.mp})",
                            old_dp=old_dp, new_dp=dp, generation=run.generation, cause=failure.kind.value)
         self.gens.tell_swap([r for r in reps if r.index in spares_before], lost, old_dp, dp)
+        self.gens.fit_pool()  # replacements (a new spare) are asked for once the new generation is under way
         reporter.begin_recovery(RecoveryTiming(
             kind=failure.kind.value, cause=failure.cause(), t_fault=failure.t_fault, t_detect=t_detect,
             t_launch=t_launch, last_step=last_step, generation=run.generation))

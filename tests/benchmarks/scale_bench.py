@@ -79,7 +79,8 @@ def ray_receive_cost(n: int = 3000) -> tuple[float, float]:
     batch = agg.flush(1.0)
     for attempt in range(3):  # a loaded machine can time out a raylet's start: try again
         try:
-            ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+            # A private instance: never another test's cluster that happens to run on this machine.
+            ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
             break
         except Exception:  # noqa: BLE001 - the third failure is raised
             ray.shutdown()

@@ -33,7 +33,7 @@ from service.supervisor.agents import AgentTracker
 from service.supervisor.committer import SnapshotCommitter
 from service.supervisor.context import JobRun
 from service.supervisor.detection import Failure, FailureDetector, root_cause
-from service.supervisor.generations import rank_of
+from service.supervisor.generations import Generations, rank_of
 from service.supervisor.pool import Replica, ReplicaPool, ReplicaState, Slot
 from service.supervisor.reporter import Reporter
 from tests.benchmarks.scale_sim_parts import (  # noqa: F401 - KINDS, Params and RAY_NODE_S are this module's API
@@ -72,6 +72,9 @@ class _Sim:
         # The actor's inbox, without starting the actor (no Ray here): its own report() runs.
         self.sup = Supervisor.__new__(Supervisor)
         self.sup.run, self.sup.reporter, self.sup.committer = self.run, self.reporter, self.committer
+        # The inbox reads the generations' view (hot spares' count in each metrics row): the real one.
+        self.sup.generations = Generations(self.run, self.reporter, self.pool, self.committer, self.detector,
+                                           self.policies.scaling)
         self.tracker = self.sup.agents = AgentTracker(
             self.run, self.committer.on_ack, self.sup.report, self.reporter.add_logs, self.reporter.event,
             interval_s=p.agent_interval_s, misses=p.agent_misses, member_misses=p.agent_misses)

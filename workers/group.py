@@ -326,7 +326,8 @@ def _connect_to_leader(ident: str, deadline: float, timeout_s: float) -> dist.St
             # here: 5-10 s at 32+ at once), and a stale file is rare (ports are fresh every generation).
             left = max(1.0, deadline - time.monotonic())
             local = pdist.make_store("127.0.0.1", int(path.read_text()), 1, is_master=False, timeout_s=left)
-            if local.get("relay/for").decode() == ident:
+            # check first: a port reused by a store that is no relay would hold a get until the timeout
+            if local.check(["relay/for"]) and local.get("relay/for").decode() == ident:
                 local.set_timeout(timedelta(seconds=timeout_s))
                 return local
         except (OSError, ValueError, RuntimeError):  # a stale file (another relay) or half a port: look again

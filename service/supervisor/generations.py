@@ -65,6 +65,7 @@ class Generations:
         self.spares_wanted = spares_wanted(run)  # resources.spares: READY replicas kept beyond the target
         self._spares_told: tuple[int, ...] | None = None  # the spares (replica indices) the last event named
         self.spares_now = 0  # spares ready beside the running group, as last counted (see with_spares)
+        self._positions: dict[int, int] = {}  # replica index -> its dp position in the last generation
 
     def set_target(self, dp: int, reason: str) -> None:
         run = self.run
@@ -114,8 +115,24 @@ class Generations:
                             "are reachable.")
 
     # ----------------------------------------------------------------- start
+    def _in_place(self, reps: list[Replica]) -> list[Replica]:
+        """At an unchanged dp (a spare swap), the last generation's replicas keep their data-parallel
+        positions and the newcomers take the free ones: every survivor keeps its ranks, so it restores its
+        own shards (held by the keeper on its own node) and only the replaced ranks change."""
+        old = self._positions
+        if len(reps) != len(old) or not any(r.index in old for r in reps):
+            return reps
+        placed: list[Replica | None] = [None] * len(reps)
+        for r in reps:
+            if r.index in old:
+                placed[old[r.index]] = r
+        new = iter(r for r in reps if r.index not in old)
+        return [p if p is not None else next(new) for p in placed]
+
     def launch(self, generation: int, reps: list[Replica], *, restore: bool) -> None:
         run = self.run
+        reps = self._in_place(reps)
+        self._positions = {r.index: d for d, r in enumerate(reps)}
         dp = len(reps)
         world = dp * run.mp
         slots: list[Slot] = []

@@ -63,6 +63,9 @@ def _check_swapped(events: list[dict[str, Any]], rows: list[dict[str, Any]], ref
     spare = swapped[0]["data"]["replicas"][0]
     ranks0, ranks1 = gens[0]["ranks"], gens[1]["ranks"]
     assert len(ranks0) == len(ranks1) == 3 and set(ranks0) != set(ranks1), (ranks0, ranks1)
+    # Only the lost rank changed hands: the survivors kept theirs, the spare took rank 1.
+    assert all(ranks1[w] == r for w, r in ranks0.items() if w in ranks1), (ranks0, ranks1)
+    assert sorted(r for w, r in ranks1.items() if w not in ranks0) == [1], (ranks0, ranks1)
     recovered = [e["data"] for e in events if e["kind"] == "recovered"]
     assert recovered and recovered[0]["source"] == ["keepers"] and recovered[0]["lost_steps"] <= 1, recovered
     # Before the fault one spare was ready; after it, none, then a new one (replenished), never the old one.

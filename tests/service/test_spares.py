@@ -179,3 +179,18 @@ def test_a_swap_keeps_the_survivors_and_takes_the_spare() -> None:
 def test_unknown_nodes_and_ties_go_by_index() -> None:
     ready = [replica(5, None), replica(3, None), replica(4, None)]
     assert indices(choose_members(ready, 2)) == [3, 4]
+
+
+def test_at_the_same_dp_survivors_keep_their_positions() -> None:
+    """A swap re-forms at the same dp: the survivors keep their data-parallel positions (so their ranks,
+    and the shards their own node's keeper holds), the spare takes the lost replica's."""
+    from service.supervisor.generations import Generations
+
+    gens = object.__new__(Generations)  # only its record of the last generation's positions is used
+    gens._positions = {0: 0, 1: 1, 2: 2}
+    swapped = gens._in_place([replica(0, "head"), replica(2, "head"), replica(3, "b")])
+    assert indices(swapped) == [0, 3, 2]
+    # Another dp (a shrink or a growth): the order given stands.
+    assert indices(gens._in_place([replica(0, "head"), replica(2, "head")])) == [0, 2]
+    gens._positions = {}
+    assert indices(gens._in_place([replica(4, "b"), replica(3, "b")])) == [4, 3]

@@ -250,7 +250,7 @@ class Controller:
         if out:
             with self.run.lock:
                 for row in out:
-                    self.run.pending_rows.setdefault(int(row["step"]), row)
+                    self.run.pending_rows.setdefault(int(row["step"]), self.gens.with_spares(row))
             reporter.flush_metrics()
         return len(out)
 

@@ -36,9 +36,9 @@ def test_supervisor_killed_while_workers_train_on(head_cluster: Any, tmp_path: P
     from workers.launcher import run_local
     from workers.worker import engine_for_dp
 
-    # Every rank's step takes ~0.4 s, so the ranks train on for several steps while the supervisor
+    # Every rank's step takes ~0.6 s, so the ranks train on for several steps while the supervisor
     # restarts; rank 1's step 3 raises first: one recovery, counted before the restart.
-    slow = [{"kind": "slow_worker", "step": 0, "rank": r, "seconds": 0.4} for r in range(2)]
+    slow = [{"kind": "slow_worker", "step": 0, "rank": r, "seconds": 0.6} for r in range(2)]
     spec = tiny_spec(tmp_path / "job", steps=STEPS, dp=2, dp_min=1,
                      chaos=[*slow, {"kind": "raise_in_step", "step": 2, "rank": 1}])
     clean = tiny_spec(tmp_path / "ref", steps=STEPS, dp=2, dp_min=1)
@@ -71,6 +71,7 @@ def test_supervisor_killed_while_workers_train_on(head_cluster: Any, tmp_path: P
     gen = next(e for e in events[after:] if e.kind == "generation")
     assert gen.data["restore"]["step"] >= reached - 1, (gen.message, adopted.message)
     rec_ev = next(e for e in events[after:] if e.kind == "recovered")
+    print(f"\n{adopted.message}\n{gen.message}\n{rec_ev.message}")
     assert rec_ev.data["kind"] == "supervisor_restarted" and rec_ev.data["lost_steps"] <= 1, rec_ev.message
     for e in events:
         if e.kind == "recovered":

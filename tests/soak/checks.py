@@ -191,16 +191,23 @@ def _service_effect(f: Fault, evs: list[tuple[str, str, dict[str, Any], float]],
             "kill_api": "restarted API found the job by name"}.get(f.kind, "-")
 
 
-def leaks(env: dict[str, str], address: str, job_id: str) -> dict[str, Any]:
-    """The job's named actors, placement groups not removed, and keeper bytes, asked of Ray by a driver."""
+def leaks(env: dict[str, str], address: str, job_id: str, settle_s: float = 30.0) -> dict[str, Any]:
+    """The job's named actors, placement groups not removed, and keeper bytes, asked of Ray by a driver.
+    The supervisor releases everything after the job's final status is stored, and exits a moment later:
+    what is still there after `settle_s` is a leak."""
     code = f"""
-import json, ray
+import json, time, ray
 ray.init(address={address!r}, log_to_driver=False)
 from checkpointing.naming import NAMESPACE
-named = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
-actors = [n for n in named if n.startswith("job-{job_id}/")]
-groups = [str(i.get("name")) for i in ray.util.placement_group_table().values()
-          if str(i.get("name", "")).startswith("job-{job_id}/") and i.get("state") != "REMOVED"]
+deadline = time.monotonic() + {settle_s!r}
+while True:
+    named = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+    actors = [n for n in named if n.startswith("job-{job_id}/")]
+    groups = [str(i.get("name")) for i in ray.util.placement_group_table().values()
+              if str(i.get("name", "")).startswith("job-{job_id}/") and i.get("state") != "REMOVED"]
+    if not (actors or groups) or time.monotonic() > deadline:
+        break
+    time.sleep(0.5)
 held = {{}}
 for n in named:
     if n.startswith("keeper-"):

@@ -66,6 +66,7 @@ class Generations:
         self._spares_told: tuple[int, ...] | None = None  # the spares (replica indices) the last event named
         self.spares_now = 0  # spares ready beside the running group, as last counted (see with_spares)
         self._positions: dict[int, int] = {}  # replica index -> its dp position in the last generation
+        self._spares_checked = 0.0  # when the spares' heartbeats were last checked (monotonic)
 
     def set_target(self, dp: int, reason: str) -> None:
         run = self.run
@@ -285,12 +286,17 @@ class Generations:
         """A spare whose worker stopped beating (died, hung, its node lost) for heartbeat_timeout_s is
         dropped, so a failure never picks it; fit_pool asks for a new one. Its workers beat even outside
         the group (workers.worker's heartbeat thread), to the supervisor directly."""
-        limit = self.run.ft.heartbeat_timeout_s
         now, mono = time.time(), time.monotonic()
-        hbs = self.run.heartbeats()
-        for rep in self.pool.spares():
+        if mono - self._spares_checked < self.run.ft.heartbeat_interval_s:
+            return  # a check a heartbeat interval is enough (the watch loop comes every 50 ms)
+        self._spares_checked = mono
+        limit = self.run.ft.heartbeat_timeout_s
+        spares = self.pool.spares()
+        with self.run.lock:  # only the spares' entries: no copy of every rank's
+            seen_at = {s.name: self.run.hb[s.name][0] for r in spares for s in r.slots if s.name in self.run.hb}
+        for rep in spares:
             for s in rep.slots:
-                seen = hbs.get(s.name, (None, None))[0]
+                seen = seen_at.get(s.name)
                 silent = (mono - rep.since) if seen is None else now - max(seen, now - (mono - rep.since))
                 if silent > limit:
                     self.reporter.event("spare_lost", f"Spare replica {rep.index} ({s.short} on node "

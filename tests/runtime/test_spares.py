@@ -4,7 +4,8 @@ control plane (job store, scheduler, REST API, SDK).
 A 3-worker FSDP job keeps one warm spare replica: rank 1 is killed at step 3; the next generation takes
 the spare in its place, so dp stays 3 (no `resized` event) and every step's loss equals the uninterrupted
 run's at the same dp (≤1e-4, fp32). A new spare is started in place of the one used, and the spares show
-in the events, the metrics rows and the API. The same job without a spare shrinks 3 -> 2 as before.
+in the events, the metrics rows and the API. The same job without a spare shrinks 3 -> 2 as before. A
+spare that dies while it waits is dropped and replaced before a failure could pick it.
 """
 
 from __future__ import annotations
@@ -137,3 +138,43 @@ def test_spares_through_the_control_plane(reference: list[dict[str, Any]], tmp_p
         assert_no_leaks(job.id)
     finally:
         cp.stop()
+
+
+@pytest.mark.timeout(600)
+def test_a_dead_spare_is_replaced_before_it_is_needed(cluster: LocalCluster, tmp_path: Path) -> None:
+    """A spare whose worker dies while it waits stops beating: it is dropped (`spare_lost`) after
+    heartbeat_timeout_s and a new one is started, so a later failure would not pick a dead spare."""
+    import time
+
+    import ray
+
+    slow = {"kind": "slow_worker", "step": 2, "rank": 0, "seconds": 0.5, "generation": 0}
+    s = spec(tmp_path, spares=1, chaos=[slow])
+    s = s.model_copy(update={"training": s.training.model_copy(update={"steps": 60}),
+                             "fault_tolerance": s.fault_tolerance.model_copy(update={"heartbeat_timeout_s": 4})})
+    run = JobRun(s)
+    killed: list[str] = []
+
+    def kill_the_spare(ev: dict[str, Any]) -> None:
+        if ev["kind"] == "spares" and ev["data"]["spares"] == 1 and not killed:
+            members = next(e for e in reversed(run.events) if e["kind"] == "generation")["data"]["ranks"]
+            names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                     if a["name"].startswith(f"job-{run.job_id}/worker-") and a["name"] not in members]
+            assert len(names) == 1, names
+            ray.kill(ray.get_actor(names[0], namespace="unbroken"), no_restart=True)
+            killed.append(names[0])
+            time.sleep(0.1)
+
+    try:
+        st = run.wait(on_event=kill_the_spare)
+        assert st["state"] == "SUCCEEDED", run.events
+        assert killed, run.kinds()
+        lost = run.of("spare_lost")
+        assert [e["data"]["worker"] for e in lost] == killed, [e["message"] for e in lost]
+        told = [e["data"] for e in run.of("spares")]
+        gone = told.index(next(t for t in told if t["spares"] == 0))
+        assert told[gone + 1:] and told[-1]["spares"] == 1, told  # a new spare after the dead one
+        assert not run.of("failure_detected") and {r["dp"] for r in run.rows()} == {3}
+    finally:
+        run.finish()
+    assert_no_leaks(run.job_id)

@@ -9,6 +9,8 @@ recoveries goes on from the store's.
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -17,7 +19,7 @@ import pytest
 
 from tests.runtime.jobs import assert_no_leaks, assert_same_losses, engine_of, tiny_spec
 
-STEPS = 16
+STEPS = 24  # the ranks must not reach the end while the supervisor is down
 
 
 def _progress(store: Any, job_id: str) -> int:
@@ -36,9 +38,9 @@ def test_supervisor_killed_while_workers_train_on(head_cluster: Any, tmp_path: P
     from workers.launcher import run_local
     from workers.worker import engine_for_dp
 
-    # Every rank's step takes ~0.6 s, so the ranks train on for several steps while the supervisor
-    # restarts; rank 1's step 3 raises first: one recovery, counted before the restart.
-    slow = [{"kind": "slow_worker", "step": 0, "rank": r, "seconds": 0.6} for r in range(2)]
+    # Every rank's step takes ~0.4 s, so the ranks train on for several steps while the supervisor is
+    # down; rank 1's step 3 raises first: one recovery, counted before the restart.
+    slow = [{"kind": "slow_worker", "step": 0, "rank": r, "seconds": 0.4} for r in range(2)]
     spec = tiny_spec(tmp_path / "job", steps=STEPS, dp=2, dp_min=1,
                      chaos=[*slow, {"kind": "raise_in_step", "step": 2, "rank": 1}])
     clean = tiny_spec(tmp_path / "ref", steps=STEPS, dp=2, dp_min=1)
@@ -54,7 +56,12 @@ def test_supervisor_killed_while_workers_train_on(head_cluster: Any, tmp_path: P
     while not any(e.kind == "recovered" for e in store.events(rec.id)) or _progress(store, rec.id) < 6:
         assert time.monotonic() < deadline, [(e.kind, e.message) for e in store.events(rec.id)]
         time.sleep(0.2)
-    ray.kill(find_supervisor(rec.id), no_restart=False)  # as a crash: Ray restarts it
+    # The supervisor hangs for 3 s (the ranks train on; their notes wait unread), then crashes: Ray
+    # restarts it, and whatever the hung instance had not read is lost with it.
+    pid = ray.get(find_supervisor(rec.id).__ray_call__.remote(lambda self: os.getpid()), timeout=60)
+    os.kill(pid, signal.SIGSTOP)
+    time.sleep(3.0)
+    os.kill(pid, signal.SIGKILL)
     while not (job := store.get_job(rec.id)) or not job.terminal:
         assert time.monotonic() < deadline, [(e.kind, e.message) for e in store.events(rec.id)]
         time.sleep(0.5)

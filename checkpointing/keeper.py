@@ -519,6 +519,6 @@ def drop_job(keepers: dict[str, ActorHandle], job_id: str) -> int:
     return int(sum(results.values()))
 
 
-def memory_reports(keepers: dict[str, ActorHandle]) -> dict[str, dict[str, Any]]:
-    """{node: Keeper.memory_report()} of every live keeper."""
-    return _call_all(keepers, "memory_report")[0]
+def memory_reports(keepers: dict[str, ActorHandle], timeout_s: float = 30.0) -> dict[str, dict[str, Any]]:
+    """{node: Keeper.memory_report()} of every live keeper (those answering within timeout_s)."""
+    return _call_all(keepers, "memory_report", timeout_s=timeout_s)[0]

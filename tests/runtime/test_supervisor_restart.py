@@ -93,3 +93,32 @@ def test_supervisor_killed_while_workers_train_on(head_cluster: Any, tmp_path: P
     while find_supervisor(rec.id) is not None and time.monotonic() < deadline:
         time.sleep(0.3)
     assert_no_leaks(rec.id)
+
+
+def test_a_jobs_end_frees_its_shards_on_keepers_its_supervisor_does_not_know(head_cluster: Any,
+                                                                           tmp_path: Path) -> None:
+    """A keeper the supervisor no longer knows (its node written off, or known only to the instance
+    before a restart) still holds the job's shards: the job's end frees them there too, and leaves
+    another job's shards alone."""
+    import numpy as np
+    import ray
+
+    from checkpointing.keeper import current_node_name, ensure_keepers
+    from service.spec import JobSpec
+    from service.supervisor.committer import SnapshotCommitter
+    from service.supervisor.context import JobRun
+    from service.supervisor.reporter import Reporter
+
+    node = ray.get(ray.remote(num_cpus=0)(current_node_name).remote())
+    keeper = ensure_keepers([node], memory_limit_mb=64)[node]
+    for job in ("gone-job", "other-job"):
+        ray.get(keeper.put_shard.remote(job, 0, 1, 0, 1, b"", b"", np.zeros(1024, dtype=np.uint8)))
+    run = JobRun(job_id="gone-job", spec=JobSpec.model_validate({"name": "gone"}), namespace="t", store=None,
+                 restarted=True, self_handle=None, mp=1, cp_tp=1, per_worker={"CPU": 1.0}, dp_min=1, dp_max=1,
+                 output_dir=tmp_path)
+    committer = SnapshotCommitter(run, Reporter(run, None))
+    assert not committer.keepers  # it never met this keeper
+    assert committer.drop_job() >= 1024
+    assert not ray.get(keeper.holdings.remote("gone-job"))["shards"]
+    assert ray.get(keeper.holdings.remote("other-job"))["shards"] == [(0, 1, 0, 1)]
+    ray.get(keeper.drop_job.remote("other-job"))

@@ -221,6 +221,23 @@ class AgentTracker:
 
 
 # ===================================================================== the agents' actors (Ray)
+def agent_handle(tracker: AgentTracker, node: str, node_id: str) -> Any:
+    """The job's agent on `node` (Ray node id `node_id`): created once per job and node, found by name
+    when it exists (after a supervisor restart, or started ahead for a hot spare's node)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from checkpointing.naming import agent_name
+    from workers.node_agent import NodeAgent
+
+    run = tracker.run
+    return ray.remote(NodeAgent).options(
+        name=agent_name(run.job_id, node), namespace=run.namespace, lifetime="detached",
+        get_if_exists=True, num_cpus=0, max_concurrency=16, max_restarts=0,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+    ).remote(agent_name(run.job_id, node), node, run.self_handle, tracker.interval_s, run.ft.heartbeat_timeout_s)
+
+
 def start_agents(tracker: AgentTracker, slots: list[Any], generation: int, timeout_s: float = 30.0) -> dict[str, Any]:
     """An agent on each node of `slots` (created once per job and node, found by name after a supervisor
     restart), told which of its node's workers are which rank in `generation`; returns {node: agent}.
@@ -228,28 +245,20 @@ def start_agents(tracker: AgentTracker, slots: list[Any], generation: int, timeo
     import time
 
     import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from checkpointing.keeper import node_ids_by_name
-    from checkpointing.naming import agent_name
-    from workers.node_agent import NodeAgent, agent_groups
+    from workers.node_agent import agent_groups
 
     run = tracker.run
     by_node: dict[str, list[Any]] = {}
     for s in slots:
         by_node.setdefault(str((s.info or {}).get("node_name")), []).append(s)
     ids = node_ids_by_name()
-    cls = ray.remote(NodeAgent)
     for node in sorted(by_node):
         if node not in tracker.handles:
             if node not in ids:
                 raise ValueError(f"node {node} is not alive")
-            tracker.handles[node] = cls.options(
-                name=agent_name(run.job_id, node), namespace=run.namespace, lifetime="detached",
-                get_if_exists=True, num_cpus=0, max_concurrency=16, max_restarts=0,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(ids[node], soft=False),
-            ).remote(agent_name(run.job_id, node), node, run.self_handle, tracker.interval_s,
-                     run.ft.heartbeat_timeout_s)
+            tracker.handles[node] = agent_handle(tracker, node, ids[node])
     refs = [tracker.handles[node].own.remote([(s.name, s.rank, generation, (s.info or {}).get("pid"), s.handle)
                                               for s in group]) for node, group in by_node.items()]
     groups = agent_groups(list(by_node))

@@ -67,6 +67,7 @@ class Generations:
         self.spares_now = 0  # spares ready beside the running group, as last counted (see with_spares)
         self._positions: dict[int, int] = {}  # replica index -> its dp position in the last generation
         self._spares_checked = 0.0  # when the spares' heartbeats were last checked (monotonic)
+        self._ahead: dict[str, Any] = {}  # node -> its agent, started ahead for a spare there
 
     def set_target(self, dp: int, reason: str) -> None:
         run = self.run
@@ -270,6 +271,7 @@ class Generations:
         if now == self._spares_told:
             return
         self._spares_told = now
+        self._agents_ahead(spares)
         members = {r.node_name for r in self.pool.in_state(ReplicaState.ACTIVE)}
         nodes = [r.node_name or "?" for r in spares]
         apart = sum(1 for r in spares if r.node_name not in members)
@@ -281,6 +283,25 @@ class Generations:
                             spares=len(spares), wanted=self.spares_wanted, replicas=list(now), nodes=nodes,
                             group_nodes=sorted(str(m) for m in members), apart=apart, generation=self.run.generation)
         telemetry.record_group(self.run.job_id, self.run.dp, self.run.generation, spares=len(spares))
+
+    def _agents_ahead(self, spares: list[Replica]) -> None:
+        """The node agent of each spare's node, started now where the group has none: a swap then finds
+        it running (creating an actor took about a second of the swap on this 2-core machine)."""
+        if self.agents is None:
+            return
+        nodes = {r.node_name for r in spares if r.node_name} - set(self.agents.handles) - set(self._ahead)
+        if not nodes:
+            return
+        from checkpointing.keeper import node_ids_by_name
+        from service.supervisor.agents import agent_handle
+
+        try:
+            ids = node_ids_by_name()
+            for node in sorted(n for n in nodes if n in ids):
+                self._ahead[node] = agent_handle(self.agents, node, ids[node])
+        except Exception as e:  # noqa: BLE001 - only a head start: the swap starts the agent itself
+            self.reporter.event("spare_agent", f"the agent of a spare's node could not start ahead "
+                                f"({first_line(e)}); a swap starts it", nodes=sorted(nodes))
 
     def _drop_silent_spares(self) -> None:
         """A spare whose worker stopped beating (died, hung, its node lost) for heartbeat_timeout_s is

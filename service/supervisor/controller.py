@@ -17,7 +17,7 @@ from typing import Any
 
 import ray
 
-from service.policies import Policies
+from service.policies import FailureKind, Policies
 from service.state_machine import JobState
 from service.supervisor.committer import SnapshotCommitter
 from service.supervisor.context import CancelRequested, JobFailed, JobRun
@@ -267,6 +267,7 @@ class Controller:
 
     def _recover(self, failure: Failure) -> State:
         run, pool, reporter = self.run, self.pool, self.reporter
+        failure = self._behind_broken_collective(failure)
         t_detect = failure.t_detect
         reporter.close_recovery()  # an earlier recovery still replaying: it ends here, with what it reached
         old_dp, old_gen = run.dp, run.generation
@@ -352,6 +353,34 @@ class Controller:
         return Running()
 
     # ----------------------------------------------------------------- helpers
+    def _behind_broken_collective(self, failure: Failure) -> Failure:
+        """A broken collective that names no culprit: the peers' errors came before any word of what
+        broke it. A lost node is the usual cause, and Ray may take many seconds to say so (the ranks it
+        took then hold up `stop` until the collective timeout). Its agent's silence says it sooner: wait
+        for the node agents' word up to their timeout, and name the node (its ranks are the culprits,
+        written off at once). Without agents, or when they say nothing, the broken collective stands."""
+        agents = self.gens.agents
+        if (failure.kind != FailureKind.COLLECTIVE_ERROR or failure.slots or agents is None
+                or not getattr(self.gens, "_agents_on", False)):
+            return failure
+        from service.supervisor.agents import confirm_silent
+
+        running = [s for s in self.pool.active_slots() if s.result is None and s.dead is None]
+        if not running:
+            return failure
+        deadline = time.monotonic() + agents.timeout_s + 0.5
+        while time.monotonic() < deadline:
+            self.run.check_cancel()
+            now = time.time()
+            found = self.gens.detector.from_agents(agents.take_lost(), confirm_silent(agents, agents.silent(now)),
+                                                   running, now)
+            if found is not None:
+                found.detail = f"{found.detail} Its peers saw a broken collective first: {failure.detail}"
+                found.t_detect = failure.t_detect
+                return found
+            time.sleep(0.1)
+        return failure
+
     def _choose_dp(self) -> int | None:
         """The dp the ready replicas allow, capped at the scheduler's target; None below dp.min."""
         dp = self.policies.scaling.choose(self.pool.count(ReplicaState.READY))

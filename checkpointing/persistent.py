@@ -325,15 +325,18 @@ class CheckpointManager:
         return res
 
     def _retain(self) -> None:
-        """Keep the newest `keep_last` complete checkpoints; delete every step folder older than them."""
+        """Keep the newest `keep_last` complete checkpoints; delete every step folder older than them, and
+        every incomplete one older than the newest complete (a save a failure broke never completes later:
+        the group that made it is gone, and a stale rank's upload is fenced)."""
         try:
             infos = list_checkpoints(self.store)
             complete = [i for i in infos if i.valid]
-            if len(complete) <= self.cfg.keep_last:
+            if not complete:
                 return
-            oldest_kept = complete[-self.cfg.keep_last].step
+            oldest_kept = complete[-min(self.cfg.keep_last, len(complete))].step
+            newest = complete[-1].step
             for info in infos:
-                if info.step < oldest_kept:
+                if info.step < oldest_kept or (not info.valid and info.step < newest):
                     self.store.delete_prefix(info.prefix)
         except StorageError as e:  # retention failing must not fail the save
             log.warning("checkpoint retention under %s failed: %s", self.store.root_uri, e)

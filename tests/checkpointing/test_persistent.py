@@ -295,6 +295,24 @@ def test_incomplete_and_fenced_checkpoints(tmp_path: Path) -> None:
     gen1.close()
 
 
+def test_a_save_a_failure_broke_is_cleaned_up_once_a_newer_one_completes(tmp_path: Path) -> None:
+    """A save broken by a fault never completes: once a newer checkpoint is complete, its folder goes
+    (with keep_last not yet reached), and an incomplete folder newer than every complete one stays."""
+    root = tmp_path / "ck"
+    mgr = CheckpointManager(file_cfg(root, keep_last=5), "unused", rank=0, world_size=1)
+    model, opt = make()
+    for step in (1, 2):
+        train(model, opt, step)
+        assert mgr.save(state_of(model, opt, step), step, 0, {}).ok
+    (root / step_dir(2) / MANIFEST_NAME).unlink()  # step 2's save was cut short
+    (root / step_dir(9)).mkdir()  # a save still being written, newer than any complete one
+    (root / step_dir(9) / "__0_0.distcp").write_bytes(b"half")
+    train(model, opt, 3)
+    assert mgr.save(state_of(model, opt, 3), 3, 0, {}).ok
+    assert [(i.step, i.valid) for i in mgr.list()] == [(1, True), (3, True), (9, False)]
+    mgr.close()
+
+
 def test_secrets_stay_out_of_errors_and_logs(
     s3_server: LocalS3Server, s3_bucket: str, caplog: pytest.LogCaptureFixture
 ) -> None:

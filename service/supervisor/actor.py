@@ -53,8 +53,10 @@ class Supervisor:
         store: Any = None
         if store_url:
             from service.store import JobStore
+            from service.supervisor.store_writer import ATTEMPT_RETRY_S
 
-            store = JobStore(store_url, run_migrations=False)
+            # One attempt's retry budget: the store writer retries for as long as the job lives.
+            store = JobStore(store_url, run_migrations=False, write_retry_s=ATTEMPT_RETRY_S)
         ctx = ray.get_runtime_context()
         with warnings.catch_warnings():  # Ray's own property uses its deprecated actor_id inside
             warnings.simplefilter("ignore", DeprecationWarning)

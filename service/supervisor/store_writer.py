@@ -29,7 +29,7 @@ log = logging.getLogger("unbroken.supervisor")
 
 # Each attempt gives the store this long (its own retries) before the writer takes over: the writer
 # reports the trouble after one attempt instead of after the store's whole retry budget.
-_ATTEMPT_RETRY_S = 1.0
+ATTEMPT_RETRY_S = 1.0
 _BACKOFF_S = (0.2, 5.0)  # first and longest pause between attempts of a held write
 _DRAIN_S = 600.0  # at the job's end, how long its last writes (the final status) may wait for the store
 
@@ -52,7 +52,6 @@ class StoreWriter:
         self._job_id = job_id
         self._report = report
         self._unavailable = store_unavailable
-        store.write_retry_s = min(float(store.write_retry_s), _ATTEMPT_RETRY_S)
         self._queue: deque[_Write] = deque()
         self._cv = threading.Condition()
         self._busy = False

@@ -11,7 +11,7 @@ from typing import Any
 
 from service.spec import parse_spec
 from service.store import JobStore
-from service.supervisor.store_writer import StoreWriter
+from service.supervisor.store_writer import ATTEMPT_RETRY_S, StoreWriter
 from tests.service.private_pg import private_postgres
 
 
@@ -21,7 +21,7 @@ def _job(store: JobStore) -> str:
 
 
 def test_writes_in_order_and_a_refused_write_is_reported_not_holding_the_rest(tmp_path: Path) -> None:
-    store = JobStore(f"sqlite:///{tmp_path / 'jobs.db'}")
+    store = JobStore(f"sqlite:///{tmp_path / 'jobs.db'}", write_retry_s=ATTEMPT_RETRY_S)
     job = _job(store)
     told: list[tuple[str, str]] = []
     w = StoreWriter(store, job, lambda kind, message, **_: told.append((kind, message)))
@@ -43,7 +43,7 @@ def test_writes_in_order_and_a_refused_write_is_reported_not_holding_the_rest(tm
 
 def test_an_unreachable_store_is_told_once_and_nothing_is_dropped() -> None:
     with private_postgres() as pg:
-        store = JobStore(pg.url)
+        store = JobStore(pg.url, write_retry_s=ATTEMPT_RETRY_S)  # as the supervisor opens it
         job = _job(store)
         told: list[str] = []
         lock = threading.Lock()

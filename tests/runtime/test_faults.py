@@ -79,6 +79,8 @@ def test_fault_recovers_with_the_same_losses(kind: str, reference: list[dict[str
         found = [e["data"] for e in run.of("failure_detected") if e["data"]["kind"] in kinds]
         assert found, run.of("failure_detected")
         assert found[0]["ranks"] in ([1], []), found[0]
+        # Without resources.spares the job shrinks (above) and tells nothing of spares.
+        assert not run.of("spare_swapped") and not run.of("spares") and "spares" not in run.rows()[0]
     finally:
         run.finish()
     assert_no_leaks(run.job_id)

@@ -1,11 +1,12 @@
-"""Hot spares (resources.spares) on a real two-node LocalCluster, through the supervisor and through the
-control plane (job store, scheduler, REST API, SDK).
+"""Hot spares (resources.spares) on a real two-node LocalCluster, through the control plane (job store,
+scheduler, REST API, SDK) and through the supervisor.
 
 A 3-worker FSDP job keeps one warm spare replica: rank 1 is killed at step 3; the next generation takes
 the spare in its place, so dp stays 3 (no `resized` event) and every step's loss equals the uninterrupted
 run's at the same dp (≤1e-4, fp32). A new spare is started in place of the one used, and the spares show
-in the events, the metrics rows and the API. The same job without a spare shrinks 3 -> 2 as before. A
-spare that dies while it waits is dropped and replaced before a failure could pick it.
+in the events, the metrics rows and the API. (Without a spare a job shrinks as before: test_faults checks
+that no spare is told of there.) A spare that dies while it waits is dropped and replaced before a failure
+could pick it.
 """
 
 from __future__ import annotations
@@ -85,37 +86,6 @@ def _check_swapped(events: list[dict[str, Any]], rows: list[dict[str, Any]], ref
 
 
 @pytest.mark.timeout(600)
-def test_a_killed_rank_is_replaced_by_a_spare(reference: list[dict[str, Any]], tmp_path: Path) -> None:
-    run = JobRun(spec(tmp_path, spares=1, chaos=[KILL, SLOW]))
-    try:
-        st = run.wait()
-        assert st["state"] == "SUCCEEDED", run.events
-        _check_swapped(run.events, run.rows(), reference)
-        started = [e for e in run.events if e["kind"] == "replica_ready"]
-        assert len(started) == 5, [e["message"] for e in started]  # 3 in the group, the spare, its replacement
-    finally:
-        run.finish()
-    assert_no_leaks(run.job_id)
-
-
-@pytest.mark.timeout(600)
-def test_without_a_spare_the_job_still_shrinks(reference: list[dict[str, Any]], tmp_path: Path) -> None:
-    run = JobRun(spec(tmp_path, spares=0, chaos=[KILL]))
-    try:
-        st = run.wait()
-        assert st["state"] == "SUCCEEDED", run.events
-        resized = [(e["data"]["old_dp"], e["data"]["new_dp"]) for e in run.of("resized")]
-        assert resized[:1] == [(3, 2)], run.kinds()
-        assert not run.of("spare_swapped") and not run.of("spares"), run.kinds()
-        rows = run.rows()
-        assert "spares" not in rows[0], rows[0]
-        assert_same_losses(rows, reference)
-    finally:
-        run.finish()
-    assert_no_leaks(run.job_id)
-
-
-@pytest.mark.timeout(600)
 def test_spares_through_the_control_plane(reference: list[dict[str, Any]], tmp_path: Path,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Submitted with the SDK, admitted by the scheduler with its spare counted, the same swap; the API
@@ -132,6 +102,8 @@ def test_spares_through_the_control_plane(reference: list[dict[str, Any]], tmp_p
         events = [{"kind": e.kind, "message": e.message, "data": e.data or {}}
                   for e in client.events(job.id, follow=False)]
         _check_swapped(events, client.metrics(job.id), reference)
+        started = [e for e in events if e["kind"] == "replica_ready"]
+        assert len(started) == 5, [e["message"] for e in started]  # 3 in the group, the spare, its replacement
         got = client.get(job.id)
         assert got.progress.spares in (0, 1) and got.progress.dp == 3, got.progress
         assert got.spec is not None and got.spec["resources"]["spares"] == 1

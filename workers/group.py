@@ -23,9 +23,10 @@ a relay (`NodeRelay`) that is the node's one client of the master store: the oth
 talk to the relay only (`RelayStore`), and the relay keeps what it read from the master, so a key
 that every rank reads (NCCL's unique id, a gloo rank's address) crosses the master once per node. The
 arrival barrier is a tree: ranks check in with their leader, leaders with the master. The master
-then has one connection per node (two on rank 0's) instead of one per rank (docs/scale.md: 13x less
-rendezvous time at 4,096 clients). What torch does through the store is unchanged and is still
-O(ranks) per rank for gloo: its full mesh has every rank read every rank's address, which the
+then has two connections per node instead of one per rank, and 8x fewer arrivals and reads of a
+shared key (docs/scale.md; in one process on 2 cores, where the relays' Python shares the GIL, the
+tree measured slower end to end than flat). What torch does through the store is unchanged and is
+still O(ranks) per rank for gloo: its full mesh has every rank read every rank's address, which the
 relay serves from its node's cache (docs/scale.md measures it).
 """
 

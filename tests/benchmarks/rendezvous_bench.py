@@ -17,7 +17,11 @@ rendezvous' stores (each rank writes its address and reads every rank's: W^2 rea
 flat; through the relays each node reads each address once, W^2/8), at a few small world sizes.
 
 The threads share this machine's cores with the servers, so the figures are upper bounds of the
-server's cost; the master's own rate (ops/s) is printed so a larger N can be extrapolated.
+server's cost; the master's own rate (ops/s) is printed so a larger N can be extrapolated. Threads
+add one artefact: in one process, bursts of TCPStore clients sometimes stall 5-10 s (seen from 32
+clients at once; 40 separate processes connecting at once took 0.10 s median, 0.81 s max), in either
+design; the median of 3 runs is printed with the slowest (max). And all relays and ranks share one
+process here (one GIL): the relays' Python costs the tree time that separate nodes would not.
 Run: python -m tests.benchmarks.rendezvous_bench [N ...]   (default 256 1024 4096; ~2 min here)
 """
 

@@ -37,6 +37,8 @@ fuzz: install ; UNBROKEN_FUZZ_REQUESTS=5000 $(PY) -m pytest -q -s tests/api/test
 soak: install ; $(PY) -m tests.soak.soak $(SOAK_ARGS)
 # The short soak alone (5 faults, ~4 min; also part of `make test`). UNBROKEN_SOAK_SEED=N for another mix.
 soak-short: install ; $(PY) -m pytest -q -s tests/runtime/test_soak_short.py
+# Whole-cluster faults too long for `make test` (the Ray head SIGKILLed and restarted mid-job, ~2 min).
+test-reliability: install ; $(PY) -m pytest -q -m reliability tests/runtime
 test-autoscaler: install ; UNBROKEN_AUTOSCALER_TEST=1 $(PY) -m pytest -q tests/runtime/test_elastic_sharing.py -k autoscaler
 bench: install
 	$(PY) -m tests.benchmarks.run_all

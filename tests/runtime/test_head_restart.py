@@ -8,6 +8,8 @@ with the API; then the head is started again on the same address and the API aga
 
 The job goes on: its supervisor and keepers are off the head; the restarted API finds it by name; it
 finishes SUCCEEDED with at most one lost step per failure, and the losses of one process.
+
+Marked `reliability`: out of `make test` for the suite's time (~80-110 s); `make test-reliability` runs it.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ def _progress_step(client: Any, job_id: str) -> int:
     return int(job.progress.step or 0) if job.progress else 0
 
 
+@pytest.mark.reliability
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_head_restart_mid_job(tmp_path: Path) -> None:

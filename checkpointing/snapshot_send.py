@@ -36,6 +36,7 @@ from typing import Any
 import ray
 import torch
 from ray.actor import ActorHandle
+from ray.exceptions import RayActorError
 
 from checkpointing.memory_storage import (
     ShardLayout,
@@ -46,6 +47,7 @@ from checkpointing.memory_storage import (
     resolve,
     slot_views,
 )
+from checkpointing.naming import NAMESPACE, keeper_name
 from checkpointing.snapshot_restore import short_error
 
 log = logging.getLogger("unbroken.snapshot")
@@ -181,6 +183,7 @@ class SnapshotClient:
         self._hook: Any = None
         self.copy_wait_s = 0.0  # total host time the training thread waited for snapshot copies
         self.last_result: SnapshotResult | None = None
+        self._rerouted: set[str] = set()  # nodes whose dead keeper's copies went elsewhere (logged once)
         if optimizer is not None:
             self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"snapshot-copy-r{rank}")
             self._hook = optimizer.register_step_pre_hook(lambda *_: self.wait_copies())
@@ -302,26 +305,57 @@ class SnapshotClient:
             return res
         total = staged.layout.total_bytes
         res.nbytes = total + len(staged.extras) + len(staged.layout_bytes)
-        calls = {
-            node: self.keepers[node].put_shard.remote(
-                self.job_id, generation, step, self.rank, self.world_size, staged.layout_bytes, staged.extras,
-                ref, offsets, total,
-            )
-            for node in self.targets
-        }  # fmt: skip
-        del ref
+        args = (self.job_id, generation, step, self.rank, self.world_size, staged.layout_bytes, staged.extras,
+                ref, offsets, total)  # fmt: skip
+        calls = {node: self.keepers[node].put_shard.remote(*args) for node in self.targets}
+        dead: list[str] = []
         for node, call in calls.items():
             try:
                 ray.get(call, timeout=self.timeout_s)
                 res.acked.append(node)
             except Exception as e:  # noqa: BLE001 - reported in the result, never raised into training
                 res.errors[node] = short_error(e)
+                if isinstance(e, RayActorError):
+                    dead.append(node)
+        for node in dead:  # a keeper died between re-forms: the copy goes elsewhere, never left single
+            took = self._resend(node, args, res)
+            if took is not None:
+                res.errors.pop(node)
+                res.acked.append(took)
+        del ref, args
         res.ok = not res.errors
         res.send_s = time.perf_counter() - t0
         if not res.ok:
             log.error("snapshot step %d rank %d not held everywhere: %s", step, self.rank, res.errors)
         self.last_result = res
         return res
+
+    def _resend(self, node: str, args: tuple[Any, ...], res: SnapshotResult) -> str | None:
+        """The copy meant for `node`'s dead keeper: to the keeper started again there (the supervisor
+        restarts a keeper whose node lives; found by name), else to the next node's in ring order that
+        holds no copy yet. Returns the node that took it, or None (the error stays in `res`)."""
+        try:
+            fresh: ActorHandle | None = ray.get_actor(keeper_name(node), namespace=NAMESPACE)
+        except ValueError:  # not started again (yet)
+            fresh = None
+        ordered = sorted(self.keepers)
+        start = ordered.index(node)
+        tries = [(node, fresh)] if fresh is not None and fresh != self.keepers[node] else []
+        tries += [(n, self.keepers[n]) for n in ordered[start + 1:] + ordered[:start]
+                  if n not in res.acked and n not in self.targets]  # fmt: skip
+        for target, handle in tries:
+            try:
+                ray.get(handle.put_shard.remote(*args), timeout=self.timeout_s)
+            except Exception:  # noqa: BLE001 - the next one, else the first error stands
+                continue
+            if target == node:
+                self.keepers[node] = handle  # the restarted keeper, from now on
+            elif node not in self._rerouted:
+                self._rerouted.add(node)
+                log.warning("snapshot rank %d: the keeper on %s is gone; its copies go to %s's until it is "
+                            "started again", self.rank, node, target)
+            return target
+        return None
 
     def abandon(self) -> None:
         """After a failure: remove the optimizer hook and stop the threads without waiting (a copy or

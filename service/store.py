@@ -482,6 +482,14 @@ class JobStore(TokenTables):
             ).all()
         return [LogRecord(r.id, r.ts, r.line, r.source) for r in rows]
 
+    def newest_log_times(self, job_id: str) -> dict[str, float]:
+        """{source: time of its newest line} of a job's logs (a supervisor that takes over asks its workers
+        for the lines after these: Worker.lines_after). Unnamed sources are left out."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(select(LogLine.source, func.max(LogLine.ts)).where(
+                LogLine.job_id == job_id, LogLine.source.is_not(None)).group_by(LogLine.source)).all()
+        return {str(src): float(ts) for src, ts in rows}
+
     def checkpoints(self, job_id: str) -> list[CheckpointRecord]:
         with self.engine.connect() as conn:
             rows = conn.execute(

@@ -14,7 +14,8 @@ know the generations in advance.
 - slow_worker: sleep `seconds` before every step from then on (a straggler)
 - raise_in_step: raise ChaosError inside the step
 - kill_keeper: kill the in-memory snapshot keeper of this worker's node (`keeper-<node>`); the
-  job trains on, its snapshots keep the copies on other nodes
+  job trains on, the supervisor starts the keeper again, and the copies go to another node's
+  keeper meanwhile
 - kill_supervisor: kill the job's supervisor actor (`job-<id>/supervisor`); Ray restarts it
   (fault_tolerance.supervisor_max_restarts) and it adopts the running workers
 """
@@ -141,7 +142,7 @@ class Chaos:
 
 
 def _kill_service_actor(kind: str) -> None:
-    """kill_keeper: this node's keeper, for good (keepers are not restarted); kill_supervisor: the job's
+    """kill_keeper: this node's keeper (no Ray restart: the supervisor starts a new one); kill_supervisor: the job's
     supervisor, which Ray restarts. Both are killed as a crash would (no clean shutdown)."""
     import ray
 

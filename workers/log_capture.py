@@ -93,6 +93,26 @@ class OutputCapture:
         return out
 
 
+class SentLines:
+    """The newest lines a process sent to its supervisor, with their source (`rank <r>`): a supervisor
+    that crashed lost the ones it had not written yet, and the notes sent while it was down; the one
+    that takes over asks for those (`after`) as it asks for the metrics rows (Worker.rows_after)."""
+
+    def __init__(self, keep: int = MAX_BUFFERED_LINES) -> None:
+        self._lines: deque[tuple[float, str, str, str]] = deque(maxlen=keep)  # (time, stream, line, source)
+        self._lock = threading.Lock()
+
+    def add(self, source: str, lines: list[tuple[float, str, str]]) -> None:
+        with self._lock:
+            self._lines.extend((t, stream, line, source) for t, stream, line in lines)
+
+    def after(self, newest: dict[str, float]) -> list[tuple[float, str, str, str]]:
+        """The lines of each source newer than `newest[source]` (the newest the job's logs hold of it;
+        every line of a source they lack), oldest first."""
+        with self._lock:
+            return [x for x in self._lines if x[0] > newest.get(x[3], float("-inf"))]
+
+
 _CAPTURE: OutputCapture | None = None
 
 

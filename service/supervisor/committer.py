@@ -5,18 +5,25 @@ copies; only up to the last step whose metrics row is written, so a restore neve
 whose row was lost (e.g. held in memory when this supervisor crashed): it goes back and re-runs it.
 Before a new generation restores, the keepers are also asked what they hold whole (acks are fire and
 forget: those sent while this supervisor was down never came), so it restores the newest such step.
+Between re-forms the keepers are pinged every KEEPER_WATCH_S: one killed while its node lives is started
+again at once (the ranks find it by name), so no snapshot stays held once for long.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import threading
+import time
 from typing import Any
 
 from service.supervisor.context import JobFailed, JobRun
 from service.supervisor.reporter import Reporter
 
 log = logging.getLogger("unbroken.supervisor")
+
+KEEPER_WATCH_S = 1.0  # how often the watch loop pings the keepers between re-forms
+_KEEPER_START_S = 10.0  # a keeper started again that does not answer by then is given up (its node is going)
 
 
 class SnapshotCommitter:
@@ -29,6 +36,10 @@ class SnapshotCommitter:
         self.ever_committed = False
         self.snapshot_errors = 0
         self._asked_keepers = False  # restore_target has asked the keepers once (after our restart: the first)
+        self._pings: dict[str, Any] = {}  # node -> a keeper ping in flight (watch_keepers)
+        self._pinged_at = 0.0
+        self._restarting: dict[str, Any] = {}  # node -> keeper handle started again, once it answered
+        self._restart_threads: dict[str, threading.Thread] = {}
 
     def on_ack(self, generation: int, step: int, rank: int, world_size: int, ok: bool) -> None:
         """A rank's snapshot note (called under the run's lock)."""
@@ -85,9 +96,65 @@ class SnapshotCommitter:
         for name in sorted(set(self.keepers) - set(answering)):
             self.keepers.pop(name)
             if name in alive_nodes:
-                self.reporter.event("keeper_lost", f"The snapshot keeper on node {name} is gone while its node "
-                                    "lives; a new one starts there, and the other keepers' copies serve restores "
-                                    "meanwhile.", node=name)
+                self._tell_keeper_lost(name)
+
+    def _tell_keeper_lost(self, name: str) -> None:
+        self.reporter.event("keeper_lost", f"The snapshot keeper on node {name} is gone while its node lives; a "
+                            "new one starts there, and the other keepers' copies serve restores meanwhile.",
+                            node=name)
+
+    def watch_keepers(self) -> None:
+        """Called by the watch loop (never blocks): a keeper found dead is dropped and, where its node lives,
+        started again on a thread; it joins the keepers once it answers. Until then the ranks send that
+        node's copies to the next keeper in the ring (checkpointing.snapshot_send)."""
+        if not self.run.spec.checkpoint.in_memory_every:
+            return
+        import ray
+        from ray.exceptions import RayActorError
+
+        for name in [n for n, t in self._restart_threads.items() if not t.is_alive()]:
+            self._restart_threads.pop(name)
+            fresh = self._restarting.pop(name, None)
+            if fresh is not None:
+                self.keepers[name] = fresh
+        if self._pings:
+            done, _ = ray.wait(list(self._pings.values()), num_returns=len(self._pings), timeout=0)
+            if len(done) < len(self._pings) and time.monotonic() - self._pinged_at < _KEEPER_START_S:
+                return  # a slow keeper is not a dead one
+            dead = []
+            for name, ref in self._pings.items():
+                try:
+                    ray.get(ref, timeout=0)
+                except RayActorError:
+                    dead.append(name)
+                except Exception:  # noqa: BLE001 - late or busy: asked again next time
+                    pass
+            self._pings = {}
+            for name in dead:
+                self._restart_keeper(name)
+        if self.keepers and time.monotonic() - self._pinged_at >= KEEPER_WATCH_S:
+            self._pinged_at = time.monotonic()
+            self._pings = {n: h.ping.remote() for n, h in self.keepers.items()}
+
+    def _restart_keeper(self, name: str) -> None:
+        from checkpointing.keeper import node_ids_by_name
+
+        self.keepers.pop(name, None)
+        if name not in node_ids_by_name() or name in self._restart_threads:
+            return  # its node is gone too: the failure detector handles that
+        self._tell_keeper_lost(name)
+        limit = self.run.spec.checkpoint.keeper_memory_limit_mb
+
+        def start() -> None:
+            from checkpointing.keeper import ensure_keepers
+
+            try:
+                self._restarting.update(ensure_keepers([name], memory_limit_mb=limit, timeout_s=_KEEPER_START_S))
+            except Exception as e:  # noqa: BLE001 - its node is going: the next re-form sees to it
+                log.warning("starting the keeper on %s again failed: %s", name, e)
+
+        t = self._restart_threads[name] = threading.Thread(target=start, name=f"keeper-{name}", daemon=True)
+        t.start()
 
     def commit(self) -> None:
         """Commit the newest snapshot every rank has acknowledged, up to the last metrics row written

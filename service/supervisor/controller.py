@@ -17,6 +17,7 @@ from typing import Any
 
 import ray
 
+from service.autolayout import check_resize, cluster_for_job
 from service.policies import FailureKind, Policies
 from service.state_machine import JobState
 from service.supervisor.committer import SnapshotCommitter
@@ -197,13 +198,18 @@ class Controller:
         last_gen = pool.adopt()
         slots = [s for r in pool.in_state(ReplicaState.READY) for s in r.slots]
         rows = self._rows_from_workers(slots)
+        lines = self._lines_from_workers(slots)
         reached = max([int((s.info or {}).get("step") or 0) for s in slots] + [reporter.last_row_step])
         with run.lock:
             run.last_step_seen = max(run.last_step_seen, reached)
+        lost = pool.lost_at_adoption
+        gone = (f"; rank(s) {', '.join(map(str, lost))} of it died while the supervisor was down (their workers, "
+                "or their node, are gone): the new generation goes on without them" if lost else "")
         reporter.event("adopted", f"found {len(slots)} live worker(s) of generation {last_gen}, which had reached "
-                       f"step {reached}; {plural(rows, 'metrics row')} they sent while the supervisor was down "
-                       "came back from them", generation=last_gen, step=reached, rows_recovered=rows,
-                       recoveries=run.recoveries)
+                       f"step {reached}; {plural(rows, 'metrics row')} and {plural(lines, 'output line')} they "
+                       f"sent while the supervisor was down came back from them{gone}", generation=last_gen,
+                       step=reached, rows_recovered=rows, lines_recovered=lines, recoveries=run.recoveries,
+                       lost_ranks=lost)
         run.generation = last_gen
         dp = self._choose_dp()
         if dp is None:
@@ -218,6 +224,29 @@ class Controller:
             t_launch=t_launch, last_step=reached, generation=run.generation))
         reporter.to(JobState.RUNNING, "re-formed after a supervisor restart")
         return Running()
+
+    def _lines_from_workers(self, slots: list[Slot], timeout_s: float = 10.0) -> int:
+        """The output lines the adopted workers sent that the job's logs lack (lost with the crashed
+        instance, or sent while none ran: Worker.lines_after), added to the logs now; how many."""
+        newest = self.reporter.newest_log_times()
+        if newest is None or not slots:
+            return 0
+        refs = [s.handle.lines_after.remote(newest) for s in slots]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        count = 0
+        for ref in ready:
+            try:
+                got = ray.get(ref, timeout=1.0)
+            except Exception:  # noqa: BLE001, S112 - a worker lost meanwhile: its lines are gone with it
+                continue
+            by_source: dict[str, list[tuple[float, str, str]]] = {}
+            for t, stream, line, source in got:
+                by_source.setdefault(source, []).append((t, stream, line))
+            for source, lines in by_source.items():
+                self.reporter.add_logs(source, lines)
+            count += len(got)
+        self.reporter.flush_logs()
+        return count
 
     def _rows_from_workers(self, slots: list[Slot], timeout_s: float = 10.0) -> int:
         """The metrics rows after the last one written, from the adopted workers (they keep their newest
@@ -361,7 +390,7 @@ class Controller:
         written off at once). Without agents, or when they say nothing, the broken collective stands."""
         agents = self.gens.agents
         if (failure.kind != FailureKind.COLLECTIVE_ERROR or failure.slots or agents is None
-                or not getattr(self.gens, "_agents_on", False)):
+                or not self.gens.agents_on):
             return failure
         from service.supervisor.agents import confirm_silent
 
@@ -400,8 +429,6 @@ class Controller:
     def _check_resize_fits(self, dp: int) -> None:
         """The planner's memory check at the smaller dp (a bigger share of the fixed global batch and
         of the model states per rank): fail with the reason rather than run out of memory."""
-        from service.autolayout import check_resize, cluster_for_job
-
         try:
             cluster = cluster_for_job(self.run.spec, ray.cluster_resources()).cluster
             reasons = check_resize(self.run.spec, dp, cluster)

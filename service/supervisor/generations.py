@@ -210,6 +210,11 @@ class Generations:
         self._agents_on = True
         return agents
 
+    @property
+    def agents_on(self) -> bool:
+        """Whether this generation's ranks report through their node agents (which then watch them)."""
+        return self._agents_on
+
     # ----------------------------------------------------------------- watch
     def watch(self) -> GenerationEnd | Failure:
         """Until the generation ends: finished, paused for growth, cancelled, or a failure."""
@@ -221,6 +226,7 @@ class Generations:
             if run.cancel.is_set():
                 return GenerationEnd.CANCELLED
             self.committer.commit()  # flushes the metrics rows first
+            self.committer.watch_keepers()
             self.reporter.maybe_flush_logs()
             self.pool.advance()
             self.tell_spares()
@@ -329,13 +335,14 @@ class Generations:
     def tell_swap(self, joined: list[Replica], lost: list[int], old_dp: int, dp: int) -> None:
         """The `spare_swapped` event: warm spares that took the place of lost replicas in the generation
         just launched (the job's dp held, or shrank less than it would have without them)."""
-        if not joined:
-            return
+        if not joined or not self.spares_wanted:
+            return  # without spares, replicas that were ready join as growth (the `resized` event says it)
         nodes = [r.node_name or "?" for r in joined]
         held = "dp stays" if dp >= old_dp else "dp"
+        took = f"replaced lost replica(s) {', '.join(str(i) for i in lost)}" if lost else "joined the group"
         self.reporter.event(
             "spare_swapped", f"{plural(len(joined), 'warm spare replica')} ({', '.join(str(r.index) for r in joined)} "
-            f"on node {', '.join(nodes)}) replaced lost replica(s) {', '.join(str(i) for i in lost) or '?'} in "
+            f"on node {', '.join(nodes)}) {took} in "
             f"generation {self.run.generation}: {held} {dp}" + (f" (was {old_dp})" if dp != old_dp else "") + ".",
             generation=self.run.generation, replicas=[r.index for r in joined], lost=lost, nodes=nodes,
             old_dp=old_dp, dp=dp, spares_left=len(self.pool.spares()))

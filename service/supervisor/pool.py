@@ -122,6 +122,7 @@ class ReplicaPool:
         self.replicas: dict[int, Replica] = {}
         self._next_replica = 0
         self._next_worker = 0
+        self.lost_at_adoption: list[int] = []  # ranks of the adopted generation found dead (adopt)
 
     # ----------------------------------------------------------------- views
     def count(self, *states: ReplicaState) -> int:
@@ -295,6 +296,11 @@ class ReplicaPool:
                 slots.append(Slot(name, h, int(info.get("replica", -1)), int(info.get("local", 0)), info=info))
                 self._next_worker = max(self._next_worker, worker_number(name) + 1)
         last_gen = max([int(s.info["generation"]) for s in slots if s.info] + [0])
+        # Ranks of that generation no live worker holds: lost while no supervisor watched (a dead actor's
+        # name is gone, so only the survivors can say who is missing).
+        members = [s.info for s in slots if s.info and int(s.info["generation"]) == last_gen]
+        world = max([int(i.get("world_size") or 0) for i in members] + [0])
+        self.lost_at_adoption = sorted(set(range(world)) - {int(i["rank"]) for i in members})
         for s in slots:
             s.handle.abort.remote(last_gen)  # stop the generation the crashed instance ran
         deadline = time.monotonic() + run.ft.collective_timeout_s + 10

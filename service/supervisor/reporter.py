@@ -162,6 +162,17 @@ class Reporter:
                 log.warning("job %s: the store cannot be read yet (%s); retrying", self.run.job_id, first_line(e))
                 time.sleep(1.0)
 
+    def newest_log_times(self) -> dict[str, float] | None:
+        """After our own restart: {source: its newest line's time} in the job's logs (None without a store,
+        or when it cannot be read: the lines the workers kept are then not asked back)."""
+        if self.run.store is None:
+            return None
+        try:
+            return self.run.store.newest_log_times(self.run.job_id)
+        except Exception as e:  # noqa: BLE001 - logs lost meanwhile are said, not fatal
+            log.warning("job %s: the logs' newest lines could not be read: %s", self.run.job_id, first_line(e))
+            return None
+
     def stored_recoveries(self) -> int | None:
         """After our own restart: the recoveries the job has been through (the store counts every move to
         RECOVERING), so the count and fault_tolerance.max_recoveries go on from there. None without a store

@@ -2,7 +2,7 @@
 
 Each replica builds the same model and optimizer as our Trainer at world 1 (same init seed), takes data
 shard `replica` of 4 at each step (our loader), averages gradients over the quorum with the Manager's
-allreduce (one flat buffer; torchft 0.2.0's DDP comm hook asserts when a peer dies, NOTES.md), and
+allreduce (one flat buffer; torchft 0.2.0's DDP comm hook asserts when a peer dies), and
 commits through OptimizerWrapper. A restarted replica heals from a live peer (torchft's HTTP transport).
 Needs the `bench` extra (torchft==0.2.0).
 
@@ -35,6 +35,7 @@ def replica(cfg: dict[str, Any]) -> None:
     from datetime import timedelta
 
     import torch
+    from torch.distributed import TCPStore
     from torchft.manager import Manager
     from torchft.optim import OptimizerWrapper
     from torchft.process_group import ProcessGroupGloo
@@ -60,10 +61,13 @@ def replica(cfg: dict[str, Any]) -> None:
         model.load_state_dict(sd["model"])
         opt.load_state_dict(sd["optim"])
 
+    # The replica group's store: torchelastic's agent would host it; the Manager only connects to it.
+    store_port = free_port()
+    store = TCPStore("127.0.0.1", store_port, is_master=True, wait_for_workers=False)
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timedelta(seconds=t_out)), min_replica_size=1,
         load_state_dict=load_state_dict, state_dict=state_dict, replica_id=f"replica{rid}",
-        store_addr="127.0.0.1", store_port=free_port(), rank=0, world_size=1,
+        store_addr="127.0.0.1", store_port=store_port, rank=0, world_size=1,
         lighthouse_addr=cfg["lighthouse"], hostname="127.0.0.1", timeout=timedelta(seconds=t_out),
         quorum_timeout=timedelta(seconds=120), init_sync=False,
     )  # fmt: skip
@@ -108,6 +112,7 @@ def replica(cfg: dict[str, Any]) -> None:
                                   "committed": committed, "replica": rid}) + "\n")
             log.flush()
     manager.shutdown(wait=False)
+    del store
     os._exit(0)  # skip interpreter teardown (torchft's native threads)
 
 
@@ -189,6 +194,39 @@ class _Fleet:
             p.wait()
 
 
+class _Lighthouse:
+    """torchft's lighthouse as its own process (its CLI), so its per-tick log goes to a file, not our output."""
+
+    def __init__(self, log: Path) -> None:
+        import socket
+
+        from service.local_cluster import free_port
+
+        port = free_port()
+        self.address = f"http://127.0.0.1:{port}"
+        self.out = open(log, "ab")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [str(Path(sys.executable).parent / "torchft_lighthouse"), "--bind", f"[::]:{port}", "--min_replicas", "1",
+             "--join_timeout_ms", "2000", "--quorum_tick_ms", "100", "--heartbeat_timeout_ms", "2000"],
+            stdout=self.out, stderr=subprocess.STDOUT)  # fmt: skip
+        deadline = time.time() + 60
+        while True:  # listening before any replica asks it for a quorum
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                return
+            except OSError:
+                if self.proc.poll() is not None or time.time() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"torchft lighthouse did not start; see {log}") from None
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self.out.close()
+
+
 def _outcome(tmp: Path, fired: list[str]) -> Any:
     from tests.benchmarks.goodput_bench import WORLD, Outcome
 
@@ -212,14 +250,11 @@ def _outcome(tmp: Path, fired: list[str]) -> Any:
 
 
 def _run_once(tmp: Path, faults: list[Any], timeout_s: float) -> tuple[Any, int]:
-    from torchft._torchft import LighthouseServer
-
     from tests.benchmarks.goodput_bench import Injector
 
     tmp.mkdir(parents=True)
-    lh = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=2000, quorum_tick_ms=100,
-                          heartbeat_timeout_ms=2000)
-    fleet = _Fleet(tmp, lh.address(), timeout_s)
+    lh = _Lighthouse(tmp / "lighthouse.log")
+    fleet = _Fleet(tmp, lh.address, timeout_s)
 
     def first_step() -> float | None:
         f = tmp / "r0.jsonl"
@@ -233,7 +268,7 @@ def _run_once(tmp: Path, faults: list[Any], timeout_s: float) -> tuple[Any, int]
         if inj is not None:
             inj.stop()
         fleet.stop()
-        lh.shutdown()
+        lh.stop()
     return _outcome(tmp, inj.fired if inj else []), fleet.restarts
 
 

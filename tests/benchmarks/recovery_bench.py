@@ -63,49 +63,11 @@ def _run_job(spec: Any, job_id: str) -> tuple[dict[str, Any], list[dict[str, Any
 
 
 # ---------------------------------------------------------------------------- Ray Train
-def _ray_train_loop(config: dict[str, Any]) -> None:
-    """One Ray Train worker: our Trainer on the group Ray Train formed; DCP checkpoint every step."""
-    import ray.train
-    import torch
-    import torch.distributed.checkpoint as dcp
-
-    from parallel.config import EngineConfig
-    from parallel.trainer import Trainer
-
-    torch.set_num_threads(1)
-    ctx = ray.train.get_context()
-    rank = ctx.get_world_rank()
-    if config.get("pid_dir"):  # where an outside fault injector finds this attempt's ranks (goodput_bench)
-        Path(config["pid_dir"], str(rank)).write_text(str(os.getpid()))
-    cfg = EngineConfig.model_validate(config["engine"])
-    trainer = Trainer(cfg, device=torch.device("cpu"))
-    ckpt = ray.train.get_checkpoint()
-    if ckpt is not None:
-        with ckpt.as_directory() as d:
-            state = trainer.state_dict()
-            dcp.load(state, checkpoint_id=d)
-            trainer.load_state_dict(state)
-    log = Path(config["log"])
-    marker = Path(config.get("marker") or "/nonexistent/none")
-    while trainer.step < cfg.training.steps:
-        kill = config.get("kill_after") is not None and trainer.step == config["kill_after"]
-        if rank == 1 and kill and not marker.exists():
-            marker.write_text(str(time.time()))
-            os._exit(1)
-        m = trainer.train_step()
-        d = Path(config["ckpt_root"]) / f"step-{trainer.step}"
-        dcp.save(trainer.state_dict(), checkpoint_id=str(d))
-        ray.train.report({"step": trainer.step, "loss": m.loss},
-                         checkpoint=ray.train.Checkpoint.from_directory(str(d)) if rank == 0 else None)
-        if rank == 0:  # after the report: a step counts once its checkpoint is registered
-            with log.open("a") as f:
-                f.write(json.dumps({"step": trainer.step, "time": time.time(), "loss": m.loss}) + "\n")
-
-
 def _ray_train(tmp: Path) -> dict[str, float]:
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from tests.benchmarks._raytrain_runner import train_loop
     from tests.runtime.jobs import engine_of
 
     engine = json.loads(engine_of(_spec(tmp / "rt-out")).model_dump_json())
@@ -113,7 +75,7 @@ def _ray_train(tmp: Path) -> dict[str, float]:
     (tmp / "rt-ckpt").mkdir()
     t0 = time.time()
     trainer = TorchTrainer(
-        _ray_train_loop,
+        train_loop,
         train_loop_config={"engine": engine, "log": str(log), "marker": str(marker), "kill_after": KILL_AFTER,
                            "ckpt_root": str(tmp / "rt-ckpt")},
         torch_config=TorchConfig(backend="gloo"),

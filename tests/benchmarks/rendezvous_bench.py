@@ -6,7 +6,7 @@ rank runs before torch's `init_process_group`; this times it with N client threa
 
     flat   every rank connects to the master store and checks in there (add; the last sets `go`)
     tree   ranks in nodes of 8 (`local_ranks`): each node's lowest rank leads; it opens the node's relay
-           (workers.group.NodeRelay) and checks its node in with the master as one; the others connect
+           (workers.node_relay.NodeRelay) and checks its node in with the master as one; the others connect
            only to their leader's relay (a local store) and wait for its release
 
 and then a 128-byte unique id (NCCL's) set by rank 0 and read by every rank through its store (the

@@ -3,7 +3,8 @@
 One cluster, one set of actors, phases in order (one test: start-up dominates the cost):
   keepers alone   memory limit refusal (clear error), fencing of an old generation, drop_job back to 0;
                   3 throwaway keepers: restore reads a live copy of each shard, SnapshotLost naming the
-                  rank once both copies of its shard are gone
+                  rank once both copies of its shard are gone; a dead keeper's copies go to the next
+                  keeper in the ring, and back to a keeper started again under its name
   world 4         FSDP Trainer, 12 steps; snapshots of steps 1-3 sent to two keepers each and
                   committed (retention keeps 2 and 3), step 2 also persisted to file://
   world 2, 3      fresh Trainers with other weights restore the committed step 3 (resharded): the
@@ -25,6 +26,7 @@ import ray
 import torch
 
 from checkpointing.keeper import (
+    NAMESPACE,
     Keeper,
     commit_snapshot,
     drop_job,
@@ -126,6 +128,31 @@ def _partial_loss() -> None:
             ray.kill(h)
 
 
+def _rerouted_copies() -> None:
+    """A keeper dies between re-forms: the sender's copy for it goes to the next keeper in the ring that
+    holds none (two copies still, the snapshot commits), and once a keeper of that name is started again
+    (the supervisor does that) the copies go back to it."""
+    actor_cls = ray.remote(Keeper)
+    ks = {n: actor_cls.options(num_cpus=0, max_concurrency=4).remote(n, 16) for n in ("x", "y", "z")}
+    fresh = None
+    try:
+        cl = SnapshotClient("reroute", 0, 1, "x", ks)
+        assert cl.targets == ["x", "y"]
+        ray.kill(ks["y"], no_restart=True)
+        res = cl.snapshot({"w": torch.ones(8)}, step=1, generation=0).result(timeout=60)
+        assert res.ok and sorted(res.acked) == ["x", "z"], res
+        assert commit_snapshot({n: ks[n] for n in ("x", "z")}, "reroute", 0, 1, 1)
+        fresh = actor_cls.options(name=keeper_name("y"), namespace=NAMESPACE, num_cpus=0).remote("y", 16)
+        ray.get(fresh.ping.remote())
+        res = cl.snapshot({"w": torch.full((8,), 2.0)}, step=2, generation=0).result(timeout=60)
+        assert res.ok and sorted(res.acked) == ["x", "y"], res
+        assert ray.get(fresh.held.remote("reroute", 0, 2)) == [0] and cl.keepers["y"] == fresh
+        cl.close()
+    finally:
+        for h in [*ks.values(), *([fresh] if fresh is not None else [])]:
+            ray.kill(h)
+
+
 @pytest.mark.timeout(900)
 def test_keepers_snapshot_reshard_node_loss_fallback(tmp_path: Path) -> None:
     ckpt_uri = f"file://{tmp_path / 'ckpt'}"
@@ -145,6 +172,7 @@ def test_keepers_snapshot_reshard_node_loss_fallback(tmp_path: Path) -> None:
             assert ray.get([a.node.remote() for a in actors]) == ["head", "head", "b", "b"]
             _keepers_alone(keepers)
             _partial_loss()
+            _rerouted_copies()
 
             # ---- world 4: train, snapshot steps 1-3, commit them in order.
             port = free_port()

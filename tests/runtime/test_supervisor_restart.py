@@ -19,7 +19,7 @@ import pytest
 
 from tests.runtime.jobs import assert_no_leaks, assert_same_losses, engine_of, tiny_spec
 
-STEPS = 24  # the ranks must not reach the end while the supervisor is down
+STEPS = 30  # the ranks must not reach the end while the supervisor is down
 
 
 def _progress(store: Any, job_id: str) -> int:
@@ -33,6 +33,7 @@ def test_supervisor_killed_while_workers_train_on(head_cluster: Any, tmp_path: P
 
     import ray
 
+    from checkpointing.naming import NAMESPACE, worker_prefix
     from service.store import JobStore
     from service.supervisor import find_supervisor, launch_supervisor
     from workers.launcher import run_local
@@ -41,8 +42,12 @@ def test_supervisor_killed_while_workers_train_on(head_cluster: Any, tmp_path: P
     # Every rank's step takes ~0.4 s, so the ranks train on for several steps while the supervisor is
     # down; rank 1's step 3 raises first: one recovery, counted before the restart.
     slow = [{"kind": "slow_worker", "step": 0, "rank": r, "seconds": 0.4} for r in range(2)]
+    # And from step 6 a line in the job's logs at every step of rank 0 (each fault once per job): those
+    # printed while the supervisor is down must reach the logs too (Worker.lines_after).
+    marks = [{"kind": "slow_worker", "step": s, "rank": 0, "seconds": 0.4, "generation": None}
+             for s in range(6, STEPS - 1)]
     spec = tiny_spec(tmp_path / "job", steps=STEPS, dp=2, dp_min=1,
-                     chaos=[*slow, {"kind": "raise_in_step", "step": 2, "rank": 1}])
+                     chaos=[*slow, *marks, {"kind": "raise_in_step", "step": 2, "rank": 1}])
     clean = tiny_spec(tmp_path / "ref", steps=STEPS, dp=2, dp_min=1)
     # The fault-free run in one process (the loss does not depend on dp: batch invariance).
     ref_run = run_local(engine_for_dp(engine_of(clean), 1), 1, tmp_path / "ref", show_progress=False)
@@ -53,14 +58,31 @@ def test_supervisor_killed_while_workers_train_on(head_cluster: Any, tmp_path: P
     assert store.mark_admitted(rec.id)
     launch_supervisor(rec.id, spec, store_url=store.url)
     deadline = time.monotonic() + 300
-    while not any(e.kind == "recovered" for e in store.events(rec.id)) or _progress(store, rec.id) < 6:
+    def at_dp2_after_recovery() -> bool:  # rank 1 exists again (the recovery may have shrunk the job to 1)
+        evs = store.events(rec.id)
+        gens = [e for e in evs if e.kind == "generation"]
+        return any(e.kind == "recovered" for e in evs) and bool(gens) and gens[-1].data.get("dp") == 2
+
+    while not at_dp2_after_recovery() or _progress(store, rec.id) < 6:
         assert time.monotonic() < deadline, [(e.kind, e.message) for e in store.events(rec.id)]
         time.sleep(0.2)
     # The supervisor hangs for 3 s (the ranks train on; their notes wait unread), then crashes: Ray
-    # restarts it, and whatever the hung instance had not read is lost with it.
+    # restarts it, and whatever the hung instance had not read is lost with it. Rank 1's worker is
+    # SIGKILLed while no supervisor watches: the restarted one must find it gone and say so.
     pid = ray.get(find_supervisor(rec.id).__ray_call__.remote(lambda self: os.getpid()), timeout=60)
     os.kill(pid, signal.SIGSTOP)
-    time.sleep(3.0)
+    workers = [ray.get_actor(a["name"], namespace=NAMESPACE) for a in ray.util.list_named_actors(all_namespaces=True)
+               if a.get("namespace") == NAMESPACE and str(a.get("name", "")).startswith(worker_prefix(rec.id))]
+    infos = ray.get([w.info.remote() for w in workers], timeout=30)
+    gen = max(int(i["generation"]) for i in infos)
+    stopped_at, until = max(int(i["step"]) for i in infos), time.monotonic() + 30
+    while max(int(i["step"]) for i in infos) < stopped_at + 3 and time.monotonic() < until:
+        time.sleep(0.2)  # the ranks train on, unwatched, for a few steps
+        infos = ray.get([w.info.remote() for w in workers], timeout=30)
+    rank1 = [int(i["pid"]) for i in infos if (i["generation"], i["rank"]) == (gen, 1)]
+    assert rank1, infos
+    os.kill(rank1[0], signal.SIGKILL)
+    time.sleep(0.5)
     os.kill(pid, signal.SIGKILL)
     while not (job := store.get_job(rec.id)) or not job.terminal:
         assert time.monotonic() < deadline, [(e.kind, e.message) for e in store.events(rec.id)]
@@ -74,6 +96,7 @@ def test_supervisor_killed_while_workers_train_on(head_cluster: Any, tmp_path: P
     reached, rows_back = int(adopted.data["step"]), int(adopted.data["rows_recovered"])
     # What this test is about: the crashed instance never wrote rows the workers sent while it was down.
     assert rows_back >= 2, f"the workers did not train on while the supervisor was down: {adopted.message}"
+    assert adopted.data["lost_ranks"] == [1] and "rank(s) 1 of it died" in adopted.message, adopted.message
     after = kinds.index("adopted")
     gen = next(e for e in events[after:] if e.kind == "generation")
     assert gen.data["restore"]["step"] >= reached - 1, (gen.message, adopted.message)
@@ -87,6 +110,11 @@ def test_supervisor_killed_while_workers_train_on(head_cluster: Any, tmp_path: P
     finished = next(e for e in events if e.kind == "finished")
     assert finished.data["recoveries"] == 1 == store.get_job(rec.id).recoveries, finished.message
     assert_same_losses(sorted(store.metrics(rec.id), key=lambda r: r["step"]), reference)
+    lines = [x.line for x in store.logs(rec.id, limit=100_000)]
+    missing = [m["step"] for m in marks if not any(f"slow_worker fires on rank 0 before step {m['step'] + 1}" in x
+                                                   for x in lines)]
+    assert not missing, f"output lines of steps {missing} never reached the logs ({adopted.message})"
+    assert int(adopted.data["lines_recovered"]) >= 1, adopted.message
     rows = [json.loads(x) for x in (tmp_path / "job" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     deadline = time.monotonic() + 60

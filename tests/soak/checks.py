@@ -106,11 +106,25 @@ def match_events(faults: list[Fault], acted: dict[int, tuple[int | None, str]], 
                 # supervisor adopted the workers left alive and re-formed from its last commit.
                 row.detected = "in the job's logs; acted while the supervisor restarted (adopted)"
                 row.ok = any(e[0] == "adopted" for e in evs)
+            elif (lost := _lost_at_adoption(f, evs)) is not None:
+                # It took its process (or node) before its log line was sent, while the supervisor was down:
+                # the restarted one found the rank gone and said so.
+                row.step = f.step
+                row.detected = f"adopted: {_short(lost)}"
+                row.ok = True
         elif f.kind == "kill_keeper":
             row.step = f.step
-            row.ok = _fired(f, logs)
-            row.detected = ("in the job's logs only (no event: the supervisor does not notice a keeper's "
-                            "death)" if row.ok else "not found")
+            lost = next((i for i, e in enumerate(evs) if e[0] == "keeper_lost" and i not in used), None)
+            row.ok = _fired(f, logs) and lost is not None
+            if lost is not None:
+                used.add(lost)
+                row.detected = f"keeper_lost: {_short(evs[lost][1])}"
+            elif _fired(f, logs) and _while_supervisor_down(f.step, evs):
+                # No instance watched: the restarted one started a keeper on every node of the job anew.
+                row.ok = True
+                row.detected = "in the job's logs; acted while the supervisor restarted (keepers started anew)"
+            else:
+                row.detected = "in the job's logs only (no keeper_lost event)" if _fired(f, logs) else "not found"
         elif f.kind in ("kill_supervisor", "kill_supervisor@recovery"):
             row.step = f.step if f.in_job else acted.get(n, (None, ""))[0]
             hit = next((i for i in restarts if i not in used), None)
@@ -165,6 +179,28 @@ def _short(message: str) -> str:
 
 def _fired(f: Fault, logs: list[str]) -> bool:
     return any(f"chaos: {f.kind} fires on rank {f.rank} before step {f.step + 1}" in line for line in logs)
+
+
+def _while_supervisor_down(step: int, evs: list[tuple[str, str, dict[str, Any], float]]) -> bool:
+    """Whether `step` fell while no supervisor ran: within the steps an adoption took back from the workers
+    (they trained on unwatched from `step - rows_recovered` to `step` of the `adopted` event)."""
+    for kind, _msg, data, _ts in evs:
+        if kind == "adopted" and "rows_recovered" in data:
+            reached = int(data.get("step") or 0)
+            if reached - int(data["rows_recovered"]) <= step <= reached:
+                return True
+    return False
+
+
+def _lost_at_adoption(f: Fault, evs: list[tuple[str, str, dict[str, Any], float]]) -> str | None:
+    """The `adopted` event that found f's rank dead, for a fault that ends its process (or node) and fired
+    while the supervisor was down (at or before the step the workers had reached): its message."""
+    if f.kind not in _EXPECTED or f.kind in ("raise_in_step", "slow_worker"):
+        return None
+    for kind, msg, data, _ts in evs:
+        if kind == "adopted" and f.rank in (data.get("lost_ranks") or []) and int(data.get("step") or 0) >= f.step:
+            return msg[msg.find("rank(s)"):] if "rank(s)" in msg else msg
+    return None
 
 
 def _recovery(row: Row, evs: list[tuple[str, str, dict[str, Any], float]], hit: int) -> None:

@@ -12,6 +12,7 @@ import contextlib
 import os
 import random
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,9 @@ class SoakServices:
         self.serve: Serve | None = None
         self.worker_nodes = [f"w{i + 1}" for i in range(worker_nodes)]
         self._next_node = worker_nodes + 1
+        self._joined: list[str] = []  # notes of replacement nodes started since replace_lost_nodes last said
+        self._joining_lock = threading.Lock()
+        self._adding = threading.Lock()
         self.log: list[str] = []  # what the driver did to the world, in order
 
     # ----------------------------------------------------------------- start and stop
@@ -60,6 +64,8 @@ class SoakServices:
         self.serve.wait_ready()
 
     def stop(self) -> None:
+        # A replacement node still starting would be left running: let its `ray start` end first.
+        joining = self._adding.acquire(timeout=600)
         if self.serve is not None:
             self.serve.stop()
         if self.cluster is not None:
@@ -67,6 +73,8 @@ class SoakServices:
         if self.s3 is not None:
             self.s3.stop()
         self._stack.close()
+        if joining:
+            self._adding.release()
 
     def client(self) -> Any:
         assert self.serve is not None
@@ -144,9 +152,12 @@ class SoakServices:
         return f"SIGKILLed worker process {p}"
 
     def replace_lost_nodes(self) -> list[str]:
-        """A node whose raylet died (chaos kill_node) is cleared and a fresh one joins (the replaced pod)."""
+        """A node whose raylet died (chaos kill_node) is cleared and a fresh one joins (the replaced pod),
+        on a thread of its own: on a loaded machine `ray start` can take minutes, and the driver's other
+        faults must not wait for it. Returns what happened since the last call."""
         assert self.cluster is not None
-        added = []
+        with self._joining_lock:
+            added, self._joined = self._joined, []
         for name in list(self.worker_nodes):
             if self.cluster.node_alive(name):
                 continue
@@ -154,11 +165,18 @@ class SoakServices:
             self.worker_nodes.remove(name)
             new = f"w{self._next_node}"
             self._next_node += 1
-            try:
-                self.cluster.add_node(new, num_cpus=self.cpus_per_node)
-            except AssertionError as e:  # a loaded machine: the job goes on with the nodes it has
-                added.append(f"node {name} lost; its replacement {new} did not start ({str(e)[:120]})")
-                continue
-            self.worker_nodes.append(new)
-            added.append(f"node {name} lost; node {new} joined")
+            threading.Thread(target=self._join, args=(name, new), name=f"join-{new}", daemon=True).start()
         return added
+
+    def _join(self, lost: str, new: str) -> None:
+        assert self.cluster is not None
+        try:
+            with self._adding:  # one `ray start` at a time (see RayStartCluster.add_node)
+                self.cluster.add_node(new, num_cpus=self.cpus_per_node)
+        except AssertionError as e:  # a loaded machine: the job goes on with the nodes it has
+            note = f"node {lost} lost; its replacement {new} did not start ({str(e)[:120]})"
+        else:
+            note = f"node {lost} lost; node {new} joined"
+            self.worker_nodes.append(new)
+        with self._joining_lock:
+            self._joined.append(note)

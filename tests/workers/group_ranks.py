@@ -46,7 +46,7 @@ def reform(rank: int, world: int, ports: list[int], out: str) -> None:
     try:
         import torch.distributed as dist
 
-        from workers import group
+        from workers import group, node_relay
 
         info = _join(0, rank, world, ports[0], LAYOUT, timeout_s=60)
         result["gen0_kind"] = info.rendezvous
@@ -93,7 +93,7 @@ def reform(rank: int, world: int, ports: list[int], out: str) -> None:
             except Exception as e:  # noqa: BLE001 - the expected failure, reported to the test
                 result["gen3"] = f"{type(e).__name__}: {e}"
         group.leave_group()
-        result["port_files"] = sorted(p.name for p in group.RENDEZVOUS_DIR.glob(f"*_{ports[0]}_*"))
+        result["port_files"] = sorted(p.name for p in node_relay.RENDEZVOUS_DIR.glob(f"*_{ports[0]}_*"))
     except BaseException:  # noqa: BLE001 - reported to the test
         result["error"] = traceback.format_exc()
     Path(out, f"{rank}.pkl").write_bytes(pickle.dumps(result))

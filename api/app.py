@@ -67,9 +67,9 @@ class LimitsAndMetrics:
         declared = headers.get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > limit):
             err = BodyTooLarge(limit)
+            await self._audit(scope, 413)
             await JSONResponse(err.body(), status_code=413)(scope, receive, send)
             self._observe(scope, 413, start)
-            await self._audit(scope, 413)
             return
         if scope.get("method") in ("POST", "PUT", "PATCH"):
             body, more = b"", True
@@ -81,17 +81,17 @@ class LimitsAndMetrics:
                 more = bool(msg.get("more_body"))
                 if len(body) > limit:
                     err = BodyTooLarge(limit)
+                    await self._audit(scope, 413)
                     await JSONResponse(err.body(), status_code=413)(scope, receive, send)
                     self._observe(scope, 413, start)
-                    await self._audit(scope, 413)
                     return
             problem = _structure_problem(body, headers.get(b"content-type", b"")) if body else None
             if problem is not None:
                 code = "payload_too_large" if problem.status == 413 else "validation_failed"
                 err = ApiError(problem.status, code, problem.message, [("body", problem.message)])
+                await self._audit(scope, problem.status)
                 await JSONResponse(err.body(), status_code=problem.status)(scope, receive, send)
                 self._observe(scope, problem.status, start)
-                await self._audit(scope, problem.status)
                 return
             replayed = False
             outer_receive = receive
@@ -115,17 +115,24 @@ class LimitsAndMetrics:
                     raise BodyTooLarge(limit)
             return msg
 
+        audited = False
+
         async def send_status(msg: Message) -> None:
-            nonlocal status
+            nonlocal status, audited
             if msg["type"] == "http.response.start":
                 status = int(msg["status"])
+            elif msg["type"] == "http.response.body" and not msg.get("more_body") and not audited:
+                # Written before the last byte leaves, so a client that has its answer finds the entry.
+                audited = True
+                await self._audit(scope, status)
             await send(msg)
 
         try:
             await self.app(scope, limited_receive, send_status)
         finally:
             self._observe(scope, status, start)
-            await self._audit(scope, status)
+            if not audited:
+                await self._audit(scope, status)
 
     async def _audit(self, scope: Scope, status: int) -> None:
         if scope.get("method") not in MUTATING:

@@ -100,9 +100,14 @@ def cfg_for(layout: str, workdir: Path) -> CheckpointConfig:
     return CheckpointConfig(uri=f"file://{workdir / 'ckpt_tp'}", keep_last=2)
 
 
-def join(rank: int, world: int, port: int) -> None:
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timedelta(seconds=300),
-                          wait_for_workers=False)  # fmt: skip
+_BASE: list[dist.TCPStore] = []  # one store server for every group this run forms: no second port to race for
+
+
+def join(rank: int, world: int, port: int, name: str) -> None:
+    if not _BASE:
+        _BASE.append(dist.TCPStore("127.0.0.1", port, None, is_master=rank == 0, timeout=timedelta(seconds=300),
+                                   wait_for_workers=False))  # fmt: skip
+    store = dist.PrefixStore(name, _BASE[0])
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=300))
     # A re-formed group's meshes equal the old ones: DTensor's caches must not hand back the dead mesh.
     from parallel.dist import reset_dtensor_caches
@@ -191,7 +196,7 @@ def main() -> None:
     layouts = ["fsdp", "fsdp_tp"]
 
     # ---- save at world 4
-    join(rank, world0, port)
+    join(rank, world0, port, "save")
     for layout in layouts:
         model, opt, mesh = build(layout, world0, seed=0)
         for s in (1, 2):
@@ -220,7 +225,7 @@ def main() -> None:
     # ---- restore at other world sizes
     for i, world in enumerate((2, 3, 4)):
         if rank < world:
-            join(rank, world, port + 1 + i)
+            join(rank, world, port, f"restore{i}")
             for layout in layouts:
                 if layout == "fsdp_tp" and world % 2:
                     continue

@@ -301,7 +301,7 @@ def test_a_node_killed_is_found_by_its_group_leaders_agent(bc_cluster: Any, tmp_
         assert gen0["world_size"] == 4 and gen0["agents"] == ["b", "c"], gen0
         bc_cluster.kill_node("c")  # a member of b's group: b's agent sees it fall silent
         run.wait(timeout_s=400)
-        assert run.status["state"] == "SUCCEEDED", run.events
+        assert run.status["state"] == "SUCCEEDED", [(e["kind"], e["message"]) for e in run.events][-12:]
         silent = run.of("agent_silent")  # b's agent saw c fall silent (then the supervisor confirms, or
         # Ray's report of the dead workers ends the generation first)
         assert silent and silent[0]["data"]["node"] == "c" and silent[0]["data"]["leader"] == "b", run.kinds()

@@ -68,15 +68,21 @@ class StepMetrics:
 
 
 class Trainer:
-    def __init__(self, cfg: EngineConfig, *, device: torch.device | None = None) -> None:
-        """torch.distributed must already be initialised (any world size), or not at all for world 1."""
+    def __init__(self, cfg: EngineConfig, *, device: torch.device | None = None,
+                 built: tuple[ParallelDims, DeviceMesh] | None = None) -> None:
+        """torch.distributed must already be initialised (any world size), or not at all for world 1.
+        `built`: the dims and mesh already built for this group (parallel.regroup.attach's fallback)."""
         self.cfg = cfg
         self.device = torch.device(device) if device is not None else pdist.default_device()
         world = pdist.world_size()
-        self.dims = ParallelDims.from_config(cfg.parallelism, world)
-        self.dims.validate(cfg.model, cfg.training, cfg.parallelism)
-        pdist.reset_dtensor_caches()  # a re-formed group must not meet plans cached for the old one
-        self.mesh: DeviceMesh | None = self.dims.build_mesh(self.device.type) if world > 1 else None
+        if built is not None:
+            self.dims, self.mesh = built
+            pdist.reset_dtensor_caches()
+        else:
+            self.dims = ParallelDims.from_config(cfg.parallelism, world)
+            self.dims.validate(cfg.model, cfg.training, cfg.parallelism)
+            pdist.reset_dtensor_caches()  # a re-formed group must not meet plans cached for the old one
+            self.mesh = self.dims.build_mesh(self.device.type) if world > 1 else None
         self.dp_rank = self.dims.dp_rank(self.mesh)
         t = cfg.training
         self.bf16 = t.dtype == "bfloat16"

@@ -7,7 +7,8 @@ run while training blocks) and drives it:
     w.run(generation, rank, world, host, port, dp, ...)   # blocks until finished, paused or failed
 
 `run` joins the group, builds a Trainer for the world size it is given (a new Trainer object in
-the same process: no re-import, no restart), loads the last committed state when told to, and
+the same process: no re-import, no restart; or, in the place it held in the last generation, the
+last generation's own Trainer: workers.kept_trainer), loads the last committed state when told to, and
 trains, pushing a heartbeat (generation, step, loss, timings) to the supervisor after every
 step and from a side thread at least every `heartbeat_interval_s`. On any error it leaves the
 group at once (so peers blocked in a collective with it fail fast too) and returns the error;
@@ -29,25 +30,24 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import ray
 
-from checkpointing.keeper import current_node_is_head, current_node_name
+from checkpointing.nodes import current_node_is_head, current_node_name
 from workers import telemetry
+from workers.kept_trainer import KeptTrainer
 from workers.protocol import (
-    CheckpointReport,
     FaultNote,
     Formed,
     Heartbeat,
     Note,
     RunResult,
     RunStatus,
-    SnapshotAck,
     StepReport,
 )
 from workers.train_loop import LoopHooks, train
+from workers.worker_tiers import Tiers, checkpoint_root, is_collective_error
 
 log = logging.getLogger("unbroken.worker")
 
@@ -105,6 +105,7 @@ class Worker:
         )
         self._lock = threading.Lock()
         self._master_store: Any = None
+        self._kept = KeptTrainer()  # a generation's trainer, for the next one in the same place
         self._abort_gen = -1  # generations up to this one must stop
         self._stop_at: tuple[int, int] | None = None  # (generation, step): pause after that step
         self.generation = -1
@@ -275,13 +276,15 @@ class Worker:
         from workers.group import join_group, leave_group, sever_new_connections, socket_fds
 
         sockets_before = socket_fds()  # what is not in here when we fail belongs to the group
+        place = (world_size, rank, dp)
+        in_place = False
         self._agent = agent
         self.generation, self.rank, self.world_size = generation, rank, world_size
         self._last = None
         self.phase = "forming"
         timings: dict[str, float] = {}
         trainer = None
-        tiers: _Tiers | None = None
+        tiers: Tiers | None = None
         try:
             t_formed = time.perf_counter()
             device = self._device(rank)
@@ -293,12 +296,10 @@ class Worker:
                               master_store=master, local_ranks=local)
             timings["join_s"] = info.join_s
             t0 = time.perf_counter()
-            from parallel.trainer import Trainer
-
-            cfg = engine_for_dp(self.cfg, dp)
-            trainer = Trainer(cfg, device=device)
+            trainer, in_place = self._kept.take(place, engine_for_dp(self.cfg, dp), device,
+                                                restoring=restore is not None)
             timings["build_s"] = time.perf_counter() - t0
-            tiers = _Tiers(self, rank, world_size, timeout_s, keepers, trainer)
+            tiers = Tiers(self, rank, world_size, timeout_s, keepers, trainer)
             restored: dict[str, Any] = {"step": 0, "source": "fresh"}
             if restore is not None:
                 t0 = time.perf_counter()
@@ -308,6 +309,8 @@ class Worker:
                     # A stale rank of an older generation may still be uploading: from here on its commit
                     # of a step past this resume point is refused (checkpointing.catalog's fences).
                     tiers.persistent.fence(generation, trainer.step)
+            # Same process, same model and optimizer objects: what a layout-preserving re-form keeps.
+            restored.update(in_place=in_place, pid=self.pid, model_id=id(trainer.model))
             self.step = trainer.step
             self.phase = "training"
             log.info("generation %d: rank %d of %d (dp=%d) on node %s, formed in %.2fs; %s", generation, rank,
@@ -324,7 +327,7 @@ class Worker:
             log.warning("generation %d, rank %d: %s: %s", generation, rank, type(e).__name__, str(e)[:500])
             result = RunResult(
                 RunStatus.ERROR, self.name, generation, rank, trainer.step if trainer is not None else self.step,
-                error=f"{type(e).__name__}: {e}"[:4000], collective=_is_collective_error(e),
+                error=f"{type(e).__name__}: {e}"[:4000], collective=is_collective_error(e),
                 traceback=traceback.format_exc()[-4000:], time=time.time(),
             )
         finally:
@@ -338,6 +341,8 @@ class Worker:
             sever_new_connections(sockets_before)
         if tiers is not None:
             tiers.close() if ok else tiers.abandon()
+        if trainer is not None and result.status != RunStatus.FINISHED:
+            self._kept.keep(place, trainer)  # detached from the group destroyed below
         trainer = tiers = None
         gc.collect()
         leave_group(abort=not ok)  # NCCL: abort the communicators before destroying a broken group
@@ -366,12 +371,6 @@ def _freeze_heap() -> None:
     gc.freeze()
 
 
-def checkpoint_root(ckpt_cfg: Any, output_dir: str | Path) -> str:
-    """Where a job's persistent checkpoints go: checkpoint.uri (the service made it the job's own), else
-    <output_dir>/checkpoints."""
-    return str(ckpt_cfg.uri or (Path(output_dir) / "checkpoints").resolve().as_uri())
-
-
 def device_is_cuda() -> bool:
     import torch
 
@@ -385,35 +384,11 @@ def engine_for_dp(cfg: Any, dp: int) -> Any:
     return cfg.model_copy(update={"parallelism": layout_at_dp(cfg.parallelism, dp)}, deep=True)
 
 
-class NothingToRestore(RuntimeError):
-    """Training progressed but no state can be restored (the supervisor's reason): the job fails."""
-
-
-def _is_collective_error(e: BaseException) -> bool:
-    if isinstance(e, NothingToRestore):
-        return False  # its words ("restore", "store") are not a broken group's
-    text = f"{type(e).__name__}: {e}".lower()
-    # "is not registered": torch's ValueError for a group destroyed under an async save (a re-form).
-    return any(s in text for s in ("gloo", "nccl", "connection", "timed out", "timeout", "socket", "peer",
-                                   "distbackenderror", "store", "is not registered"))
-
-
-def _side_group(timeout_s: float) -> Any:
-    """A gloo group of its own for a checkpoint tier, with the job's short timeout (None at world 1)."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return None
-    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-
-
 class _WorkerHooks(LoopHooks):
     """The Ray worker's part of the train loop: abort and pause, chaos, telemetry, snapshots and
     checkpoints, heartbeats with the step's timings (rank 0's with its metrics row)."""
 
-    def __init__(self, worker: Worker, trainer: Any, tiers: _Tiers, generation: int) -> None:
+    def __init__(self, worker: Worker, trainer: Any, tiers: Tiers, generation: int) -> None:
         self.w, self.trainer, self.tiers, self.generation = worker, trainer, tiers, generation
 
     def stop_before_step(self) -> RunStatus | None:
@@ -452,162 +427,3 @@ class _WorkerHooks(LoopHooks):
 
     def before_final(self) -> None:
         self.tiers.wait()
-
-
-class _Tiers:
-    """The in-memory snapshot tier (keepers) and the persistent tier of one rank in one generation."""
-
-    def __init__(self, worker: Worker, rank: int, world_size: int, timeout_s: float,
-                 keepers: dict[str, Any] | None, trainer: Any) -> None:  # fmt: skip
-        from checkpointing.persistent import CheckpointManager
-
-        self.w = worker
-        self.rank, self.world = rank, world_size
-        cc = worker.ckpt_cfg
-        out = Path(worker.opts.output_dir)
-        self.persist_every = cc.persist_every
-        self.snap_every = cc.in_memory_every if keepers else 0
-        self.keepers = keepers or {}
-        root = checkpoint_root(cc, out)
-        # Always there: it writes every persist_every steps and is the fallback of a restore.
-        self.persistent: Any = CheckpointManager(cc, root, rank=rank, world_size=world_size,
-                                                 process_group=_side_group(timeout_s),
-                                                 config=trainer.cfg.model_dump(mode="json"))  # export-hf needs it
-        self.snap: Any = None
-        self.optimizer = trainer.optimizer
-        if self.snap_every:
-            from checkpointing.snapshot import SnapshotClient
-
-            # With the optimizer: the copy overlaps the next forward/backward; its step waits for it.
-            self.snap = SnapshotClient(worker.opts.job_id, rank, world_size, worker.node_name, self.keepers,
-                                       optimizer=self.optimizer, timeout_s=max(30.0, timeout_s))
-        self._waited_seen = 0.0
-        self._snap_in_flight: Any = None  # the last snapshot's handle, until its send is done
-
-    def _hook_waits(self) -> float:
-        """Total time optimizer steps have waited for the tiers' copies so far."""
-        return (self.snap.copy_wait_s if self.snap is not None else 0.0) + self.persistent.copy_wait_s
-
-    def after_step(self, trainer: Any, generation: int) -> float:
-        """Snapshot to the keepers in the background (acked to the supervisor, which commits) and persist.
-
-        Returns the training thread's blocking time for the step just done: what its optimizer step
-        waited for copies still in flight, plus this call (state dict, layout, starting the copies).
-        """
-        t0 = time.perf_counter()
-        waited = self._hook_waits() - self._waited_seen
-        step = trainer.step
-        if self.snap is not None and step % self.snap_every == 0:
-            self._wait_for_last_snapshot()
-            handle = self.snap.snapshot(trainer.state_dict(), step, generation)
-            handle.add_done_callback(self._snapshotted)
-            self._snap_in_flight = handle
-        if self.persist_every and step % self.persist_every == 0:
-            layout = {"dp": trainer.dims.dp, "world_size": self.world}
-            handle = self.persistent.save_async(trainer.state_dict(), step, generation, layout,
-                                                optimizer=self.optimizer)
-            handle.add_done_callback(self._persisted)
-        self._waited_seen = self._hook_waits()
-        return waited + time.perf_counter() - t0
-
-    def _wait_for_last_snapshot(self) -> None:
-        """At most one snapshot is being sent: the next starts once the keepers hold the last one. So the
-        snapshot of step s is held by the end of step s + in_memory_every, and a rank lost after that step
-        costs at most the steps since s (one with in_memory_every: 1), however slow the sends get (without
-        this wait they queue up behind each other, each holding a copy of the state). The wait counts in
-        the step's blocking time; it is zero while a send takes less than the steps between snapshots."""
-        h = self._snap_in_flight
-        if h is not None and not h.done():
-            with contextlib.suppress(Exception):  # a failed or late send is reported by its own ack
-                h.result(timeout=self.snap.timeout_s + 5.0)
-
-    def _snapshotted(self, res: Any) -> None:
-        if res.ok:
-            telemetry.record_snapshot(self.w.opts.job_id, self.rank, res.blocking_s + res.send_s, res.nbytes)
-        # Held by a keeper is enough to ack: the commit counts the copies on the keepers alive then, so a
-        # dead keeper (its node alive) does not stop commits until the next re-form replaces it.
-        self.w.send(SnapshotAck(self.w.name, res.generation, res.rank, time.time(), step=res.step, ok=bool(res.acked),
-                                world_size=self.world, errors=dict(res.errors), acked=list(res.acked)))
-
-    def _persisted(self, res: Any) -> None:
-        """Every rank exports its shard's write; rank 0 tells the supervisor (one event per checkpoint)."""
-        if res.ok:
-            telemetry.record_checkpoint(self.w.opts.job_id, self.rank, res.blocking_s + res.upload_s,
-                                        res.bytes_written)
-        if self.rank != 0:
-            return
-        # A save whose group broke under it (a peer failed) is abandoned with its generation, not a
-        # storage failure: the next generation writes that step again.
-        broken = not res.ok and _is_collective_error(RuntimeError(str(res.error)))
-        self.w.send(CheckpointReport(self.w.name, res.generation, self.rank, time.time(), step=res.step, ok=res.ok,
-                                     uri=res.uri, error=res.error, abandoned=broken))
-
-    def restore(self, trainer: Any, target: dict[str, Any]) -> dict[str, Any]:
-        """Load the committed snapshot the supervisor chose (resharded), else the newest persistent one.
-
-        `trainer.state_dict()` initialises a fresh optimizer's state (DCP runs a zero-lr step), which
-        would shift a fresh run's Adam step count: it is only called when there is a state to load.
-        """
-        step, gen = target.get("step"), target.get("generation")
-        if self.keepers and step is not None:
-            from checkpointing.snapshot import restore_with_fallback
-
-            state = trainer.state_dict()
-            info = restore_with_fallback(self.keepers, self.w.opts.job_id, state, self.persistent, step=step,
-                                         generation=gen, prefer_node=self.w.node_name)
-            trainer.load_state_dict(state)
-            return {"step": int(trainer.step), "source": info.source, "fallback_reason": info.fallback_reason,
-                    "uri": info.uri, "snapshot_world": info.world_size}
-        ckpt = self.persistent.latest_valid(deep=False)
-        source, reader = "persistent", self.persistent
-        if ckpt is None and target.get("resume") and self.w.ckpt_cfg.resume_from:
-            source = "resume_from"
-            reader, ckpt = self._resume_from(self.w.ckpt_cfg.resume_from)
-        if ckpt is None:
-            if target.get("must_restore"):  # the supervisor's reason: training progressed, state is gone
-                skipped = "; ".join(f"step {s}: {why}" for s, why in self.persistent.skipped)
-                raise NothingToRestore(str(target["must_restore"]) + (f" (persistent: {skipped})" if skipped else ""))
-            return {"step": 0, "source": "fresh",
-                    "skipped": [f"step {s}: {why}" for s, why in self.persistent.skipped]}
-        state = trainer.state_dict()
-        reader.load(state, ckpt)
-        trainer.load_state_dict(state)
-        return {"step": int(trainer.step), "source": source, "uri": ckpt.uri,
-                "fallback_reason": "no committed in-memory snapshot" if self.keepers and source == "persistent"
-                else None}
-
-    def _resume_from(self, uri: str) -> tuple[Any, Any]:
-        """(a reader, the checkpoint) for checkpoint.resume_from: a root's newest valid one, or one step folder.
-        Read only: nothing is written there."""
-        from checkpointing.manifest import parse_step_dir
-        from checkpointing.persistent import CheckpointManager
-
-        root, _, last = uri.rstrip("/").rpartition("/")
-        step = parse_step_dir(last)
-        cfg = self.w.ckpt_cfg.model_copy(update={"uri": root if step is not None else uri})
-        reader = CheckpointManager(cfg, cfg.uri, rank=self.rank, world_size=self.world,
-                                   process_group=self.persistent.pg)
-        if step is None:
-            return reader, reader.latest_valid(deep=False)
-        found = [c for c in reader.list() if c.step == step and c.valid]
-        if not found:
-            raise FileNotFoundError(f"checkpoint.resume_from={uri}: no valid checkpoint of step {step} there")
-        return reader, found[0]
-
-    def wait(self) -> None:
-        self.persistent.wait()
-
-    def abandon(self) -> None:
-        """After a failure: stop the background threads without waiting on a broken group."""
-        with contextlib.suppress(Exception):
-            self.persistent.abandon()
-        if self.snap is not None:
-            with contextlib.suppress(Exception):
-                self.snap.abandon()
-        self.snap = self.persistent = None
-
-    def close(self) -> None:
-        for part in (self.snap, self.persistent):
-            if part is not None:
-                with contextlib.suppress(Exception):
-                    part.close()

@@ -1,11 +1,11 @@
 """Which errors mean "the group broke under it" (a peer failed: the save or step is abandoned with its
-generation) and which are the job's own (reported as such): workers.worker._is_collective_error."""
+generation) and which are the job's own (reported as such): workers.worker_tiers.is_collective_error."""
 
 from __future__ import annotations
 
 import pytest
 
-from workers.worker import NothingToRestore, _is_collective_error
+from workers.worker_tiers import NothingToRestore, is_collective_error
 
 
 @pytest.mark.parametrize("error", [
@@ -16,7 +16,7 @@ from workers.worker import NothingToRestore, _is_collective_error
     RuntimeError("Timed out waiting 10000ms for recv operation to complete"),
 ])
 def test_a_broken_group_is_a_collective_error(error: BaseException) -> None:
-    assert _is_collective_error(error)
+    assert is_collective_error(error)
 
 
 @pytest.mark.parametrize("error", [
@@ -25,4 +25,4 @@ def test_a_broken_group_is_a_collective_error(error: BaseException) -> None:
     ValueError("shape mismatch for layers.0.attention.wq.weight"),
 ])
 def test_the_jobs_own_errors_are_not(error: BaseException) -> None:
-    assert not _is_collective_error(error)
+    assert not is_collective_error(error)

@@ -41,6 +41,13 @@ from ray.actor import ActorHandle
 
 # The names live in checkpointing.naming (CONTROL_RESOURCE is re-exported for older importers).
 from checkpointing.naming import CONTROL_RESOURCE, NAMESPACE, NODE_RESOURCE_PREFIX, keeper_name  # noqa: F401
+from checkpointing.nodes import (  # noqa: F401
+    current_node_is_head,
+    current_node_name,
+    is_head,
+    node_ids_by_name,
+    node_name_of,
+)
 
 log = logging.getLogger("unbroken.keeper")
 
@@ -353,44 +360,6 @@ def ensure_keepers(
         raise TimeoutError(f"keepers on nodes {late} did not start within {timeout_s:.0f}s: are those nodes alive?")
     ray.get(ready)
     return handles
-
-
-def node_name_of(node: dict[str, Any]) -> str:
-    """A node's name, from what Ray reports of it (an entry of `ray.nodes()`).
-
-    A node started with the resource `unbroken_node_<name>` (our local clusters give simulated nodes
-    readable names that way) is called <name>; any other node is called by the first 12 hex digits of
-    its Ray node id, unique and stable for the node's life. Nothing needs to be configured.
-    """
-    for key in node.get("Resources", {}):
-        if key.startswith(NODE_RESOURCE_PREFIX):
-            return str(key[len(NODE_RESOURCE_PREFIX) :])
-    return str(node["NodeID"])[:12]
-
-
-def node_ids_by_name() -> dict[str, str]:
-    """{node name: Ray node id} of the alive nodes."""
-    return {node_name_of(n): str(n["NodeID"]) for n in ray.nodes() if n.get("Alive")}
-
-
-def is_head(node: dict[str, Any]) -> bool:
-    """Whether a `ray.nodes()` entry is the cluster's head node (Ray marks it with a resource)."""
-    return any(k.startswith("node:__internal_head__") for k in node.get("Resources", {}))
-
-
-def current_node_name() -> str:
-    """The name (see node_name_of) of the node this process runs on (inside a Ray task or actor)."""
-    node_id = ray.get_runtime_context().get_node_id()
-    for n in ray.nodes():
-        if n["NodeID"] == node_id:
-            return node_name_of(n)
-    return str(node_id)[:12]
-
-
-def current_node_is_head() -> bool:
-    """Whether this process runs on the head node (inside a Ray task or actor)."""
-    node_id = ray.get_runtime_context().get_node_id()
-    return any(is_head(n) for n in ray.nodes() if n["NodeID"] == node_id)
 
 
 def find_keepers() -> dict[str, ActorHandle]:

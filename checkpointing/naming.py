@@ -10,7 +10,7 @@ from __future__ import annotations
 NAMESPACE = "unbroken"  # every detached actor of the service lives in this Ray namespace
 
 # Node resources: readable names for simulated nodes (service.local_cluster; see
-# checkpointing.keeper.node_name_of), and the marker of nodes meant for the control path, where
+# checkpointing.nodes.node_name_of), and the marker of nodes meant for the control path, where
 # supervisors run.
 NODE_RESOURCE_PREFIX = "unbroken_node_"
 CONTROL_RESOURCE = "unbroken_control"

@@ -166,7 +166,7 @@ class LocalCluster:
 
 def node_name_of_current_process() -> str | None:
     """The `unbroken_node_<name>` this process runs on, from inside a Ray task or actor."""
-    from checkpointing.keeper import current_node_name  # one implementation, importable by workers too
+    from checkpointing.nodes import current_node_name  # one implementation, importable by workers too
 
     return current_node_name()
 

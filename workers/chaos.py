@@ -146,8 +146,8 @@ def _kill_service_actor(kind: str) -> None:
     supervisor, which Ray restarts. Both are killed as a crash would (no clean shutdown)."""
     import ray
 
-    from checkpointing.keeper import current_node_name
     from checkpointing.naming import NAMESPACE, keeper_name, supervisor_name
+    from checkpointing.nodes import current_node_name
 
     name = keeper_name(current_node_name()) if kind == "kill_keeper" else supervisor_name(_job_id())
     try:

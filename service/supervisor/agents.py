@@ -246,7 +246,7 @@ def start_agents(tracker: AgentTracker, slots: list[Any], generation: int, timeo
 
     import ray
 
-    from checkpointing.keeper import node_ids_by_name
+    from checkpointing.nodes import node_ids_by_name
     from workers.node_agent import agent_groups
 
     run = tracker.run
@@ -284,7 +284,7 @@ def confirm_silent(tracker: AgentTracker, silent: list[tuple[str, float]]) -> li
     import ray
     from ray.exceptions import ActorUnavailableError
 
-    from checkpointing.keeper import node_name_of
+    from checkpointing.nodes import node_name_of
 
     if not silent and not tracker.suspects:
         return []

@@ -53,12 +53,13 @@ class SnapshotCommitter:
     def ensure_keepers(self, slots: list[Any]) -> None:
         """A keeper on every node the job uses (kept for nodes it used before, while they live).
 
-        Nodes are named from Ray itself (checkpointing.keeper.node_name_of), so this works on any
+        Nodes are named from Ray itself (checkpointing.nodes.node_name_of), so this works on any
         cluster. One node means one copy of each shard: said once, as a warning event."""
         spec = self.run.spec
         if not spec.checkpoint.in_memory_every:
             return
-        from checkpointing.keeper import ensure_keepers, node_ids_by_name
+        from checkpointing.keeper import ensure_keepers
+        from checkpointing.nodes import node_ids_by_name
 
         alive = node_ids_by_name()
         nodes = {str(s.info["node_name"]) for s in slots if s.info and s.info.get("node_name")}
@@ -137,7 +138,7 @@ class SnapshotCommitter:
             self._pings = {n: h.ping.remote() for n, h in self.keepers.items()}
 
     def _restart_keeper(self, name: str) -> None:
-        from checkpointing.keeper import node_ids_by_name
+        from checkpointing.nodes import node_ids_by_name
 
         self.keepers.pop(name, None)
         if name not in node_ids_by_name() or name in self._restart_threads:

@@ -148,6 +148,8 @@ class Generations:
         with run.lock:
             run.generation = generation
             run.dp = dp
+            run.models_before = {w: (int(m.restored.get("pid", -1)), int(m.restored.get("model_id", -1)))
+                                 for w, m in run.formed.items()}
             run.formed.clear()
             run.step_reports.clear()
         self.detector.stragglers.reset()
@@ -298,7 +300,7 @@ class Generations:
         nodes = {r.node_name for r in spares if r.node_name} - set(self.agents.handles) - set(self._ahead)
         if not nodes:
             return
-        from checkpointing.keeper import node_ids_by_name
+        from checkpointing.nodes import node_ids_by_name
         from service.supervisor.agents import agent_handle
 
         try:

@@ -195,14 +195,13 @@ class Controller:
         done = reporter.stored_recoveries()
         if done is not None:  # the count goes on (max_recoveries holds across our restarts)
             run.recoveries = max(run.recoveries, done)
-        last_gen = pool.adopt()
+        last_gen, lost = pool.adopt()
         slots = [s for r in pool.in_state(ReplicaState.READY) for s in r.slots]
         rows = self._rows_from_workers(slots)
         lines = self._lines_from_workers(slots)
         reached = max([int((s.info or {}).get("step") or 0) for s in slots] + [reporter.last_row_step])
         with run.lock:
             run.last_step_seen = max(run.last_step_seen, reached)
-        lost = pool.lost_at_adoption
         gone = (f"; rank(s) {', '.join(map(str, lost))} of it died while the supervisor was down (their workers, "
                 "or their node, are gone): the new generation goes on without them" if lost else "")
         reporter.event("adopted", f"found {len(slots)} live worker(s) of generation {last_gen}, which had reached "
@@ -231,14 +230,8 @@ class Controller:
         newest = self.reporter.newest_log_times()
         if newest is None or not slots:
             return 0
-        refs = [s.handle.lines_after.remote(newest) for s in slots]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         count = 0
-        for ref in ready:
-            try:
-                got = ray.get(ref, timeout=1.0)
-            except Exception:  # noqa: BLE001, S112 - a worker lost meanwhile: its lines are gone with it
-                continue
+        for got in _ask_workers(slots, "lines_after", newest, timeout_s=timeout_s):
             by_source: dict[str, list[tuple[float, str, str]]] = {}
             for t, stream, line, source in got:
                 by_source.setdefault(source, []).append((t, stream, line))
@@ -255,17 +248,11 @@ class Controller:
         same global loss). Only the unbroken run after the last row written is taken: a row is never skipped."""
         reporter = self.reporter
         after = reporter.last_row_step
-        refs = [s.handle.rows_after.remote(after) for s in slots]
-        if not refs:
+        if not slots:
             return 0
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         any_rank = self.run.spec.parallelism.pp == 1
         best: dict[int, tuple[tuple[int, bool], dict[str, Any]]] = {}
-        for ref in ready:
-            try:
-                got = ray.get(ref, timeout=1.0)
-            except Exception:  # noqa: BLE001, S112 - a worker lost meanwhile: the others have its rows
-                continue
+        for got in _ask_workers(slots, "rows_after", after, timeout_s=timeout_s):
             for gen, rank, row in got:
                 if rank != 0 and not any_rank:
                     continue
@@ -460,3 +447,19 @@ class Controller:
             f"below dp.min={run.dp_min}: only {pool.count(ReplicaState.READY)} replica(s) of {run.mp} worker(s) "
             f"alive after waiting wait_for_capacity_s={wait:g}; add capacity or lower resources.dp.min"
         )
+
+
+def _ask_workers(slots: list[Slot], method: str, *args: Any, timeout_s: float) -> list[Any]:
+    """Call `method` on every slot's worker; the answers that came within `timeout_s` (a worker lost
+    meanwhile has nothing to give: the others answer for it)."""
+    refs = [getattr(s.handle, method).remote(*args) for s in slots]
+    if not refs:
+        return []
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    answers = []
+    for ref in ready:
+        try:
+            answers.append(ray.get(ref, timeout=1.0))
+        except Exception:  # noqa: BLE001, S112 - lost meanwhile
+            continue
+    return answers

@@ -122,7 +122,6 @@ class ReplicaPool:
         self.replicas: dict[int, Replica] = {}
         self._next_replica = 0
         self._next_worker = 0
-        self.lost_at_adoption: list[int] = []  # ranks of the adopted generation found dead (adopt)
 
     # ----------------------------------------------------------------- views
     def count(self, *states: ReplicaState) -> int:
@@ -284,9 +283,10 @@ class ReplicaPool:
         return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                 if a.get("namespace") == self.run.namespace and str(a.get("name", "")).startswith(prefix)]
 
-    def adopt(self) -> int:
+    def adopt(self) -> tuple[int, list[int]]:
         """Find the job's workers by name, stop their generation, keep whole idle replicas as READY
-        (with their placement groups), release the rest; returns the last generation they ran."""
+        (with their placement groups), release the rest; returns the last generation they ran and the
+        ranks of it no live worker holds."""
         run = self.run
         slots: list[Slot] = []
         for name in self._named_workers():
@@ -300,7 +300,7 @@ class ReplicaPool:
         # name is gone, so only the survivors can say who is missing).
         members = [s.info for s in slots if s.info and int(s.info["generation"]) == last_gen]
         world = max([int(i.get("world_size") or 0) for i in members] + [0])
-        self.lost_at_adoption = sorted(set(range(world)) - {int(i["rank"]) for i in members})
+        lost = sorted(set(range(world)) - {int(i["rank"]) for i in members})
         for s in slots:
             s.handle.abort.remote(last_gen)  # stop the generation the crashed instance ran
         deadline = time.monotonic() + run.ft.collective_timeout_s + 10
@@ -342,7 +342,7 @@ class ReplicaPool:
             if info.get("name") not in kept:
                 with contextlib.suppress(Exception):
                     release(get_placement_group(info["name"]))
-        return last_gen
+        return last_gen, lost
 
 
 def _placed_on(rep: Replica) -> str | None:

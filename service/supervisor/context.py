@@ -49,6 +49,8 @@ class JobRun:
     # Worker notes (written by the inbox under `lock`):
     hb: dict[str, tuple[float, Note]] = field(default_factory=dict)  # name -> (seen, its last note)
     formed: dict[str, Formed] = field(default_factory=dict)  # this generation's `formed` notes
+    # worker -> (pid, id of its model) in the last generation: who trains on in the same objects next
+    models_before: dict[str, tuple[int, int]] = field(default_factory=dict)
     faults: list[FaultNote] = field(default_factory=list)  # chaos notes
     step_reports: dict[int, dict[str, dict[str, float]]] = field(default_factory=dict)  # step -> gaps, times
     pending_rows: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank 0's metrics rows, unwritten

@@ -300,6 +300,10 @@ class Reporter:
         sources = sorted({str(m.restored.get("source")) for m in formed.values()})
         fallback = sorted({str(m.restored["fallback_reason"]) for m in formed.values()
                            if m.restored.get("fallback_reason")})
+        # Trained on in place: the worker says so, and it is the process and model object it had before.
+        before = self.run.models_before
+        kept = sorted(m.rank for w, m in formed.items() if m.restored.get("in_place")
+                      and before.get(w) == (m.restored.get("pid"), m.restored.get("model_id")))
         detect_s = rec.t_detect - rec.t_fault if rec.t_fault else None
         reform_s = max(0.0, t_formed - rec.t_detect - restore_s)
         replay_s = max(0.0, now - t_formed)
@@ -321,9 +325,10 @@ class Reporter:
             f"Recovered from {rec.cause} in {total:.2f}s: detect {fmt_s(detect_s)}, re-form {reform_s:.2f}s, "
             f"restore {restore_s:.2f}s (step {restored} {where}), replay {replay_s:.2f}s; "
             f"{plural(lost, 'step')} lost; generation {rec.generation} completed step {row['step']}."
+            + (f" {len(kept)} of {len(formed)} rank(s) trained on in the model they held." if kept else "")
             + (f" The in-memory snapshot could not be used: {fallback[0]}." if fallback else ""),
             generation=rec.generation, kind=rec.kind, restored_step=restored, source=sources,
             last_step=rec.last_step, lost_steps=lost,
             detect_s=detect_s, reform_s=reform_s, restore_s=restore_s, replay_s=replay_s, total_s=total,
-            first_step=row["step"], fallback_reason=fallback[0] if fallback else None,
+            first_step=row["step"], fallback_reason=fallback[0] if fallback else None, in_place_ranks=kept,
         )

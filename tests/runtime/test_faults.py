@@ -50,6 +50,7 @@ def _check_recovered(run: JobRun, ref: list[dict[str, Any]], *, resizes: list[tu
         assert ev["data"]["lost_steps"] <= 1, ev
         for k in ("detect_s", "reform_s", "restore_s", "replay_s"):
             assert k in ev["data"]
+        assert ev["data"]["in_place_ranks"] == [], ev  # a new dp: every rank builds its model anew
     assert_same_losses(run.rows(), ref)
 
 

@@ -70,6 +70,9 @@ def _check_swapped(events: list[dict[str, Any]], rows: list[dict[str, Any]], ref
     assert sorted(r for w, r in ranks1.items() if w not in ranks0) == [1], (ranks0, ranks1)
     recovered = [e["data"] for e in events if e["kind"] == "recovered"]
     assert recovered and recovered[0]["source"] == ["keepers"] and recovered[0]["lost_steps"] <= 1, recovered
+    # The survivors kept their places, so they trained on in the same processes and model objects (the
+    # supervisor compares each worker's pid and model id with the last generation's); the spare built its own.
+    assert recovered[0]["in_place_ranks"] == [0, 2], recovered[0]
     # Before the fault one spare was ready; after it, none, then a new one (replenished), never the old one.
     told = [e["data"] for e in events if e["kind"] == "spares"]
     before = [t for t in told if t["generation"] == 0]

@@ -89,6 +89,9 @@ class FaultTolerance(_Strict):
     restart_from_scratch: bool = Field(False, description="after training progressed, a failure with no "
                                        "snapshot and no persistent checkpoint to restore restarts from step 0 "
                                        "(an event says so) instead of failing the job")
+    keep_trainer: bool = Field(True, description="a worker whose place (rank, world size, dp) the next "
+                               "generation keeps trains on in the model, optimizer and data it holds, after "
+                               "restoring the snapshot into them; false builds them anew at every re-form")
 
     @model_validator(mode="after")
     def _check(self) -> FaultTolerance:

@@ -71,6 +71,7 @@ class WorkerOptions:
     device: str = "auto"
     replica: int = 0  # the supervisor's data-parallel replica this worker belongs to
     local: int = 0  # its place in the replica's tp x pp x cp group
+    keep_trainer: bool = True  # fault_tolerance.keep_trainer
 
 
 class Worker:
@@ -341,7 +342,7 @@ class Worker:
             sever_new_connections(sockets_before)
         if tiers is not None:
             tiers.close() if ok else tiers.abandon()
-        if trainer is not None and result.status != RunStatus.FINISHED:
+        if trainer is not None and result.status != RunStatus.FINISHED and self.opts.keep_trainer:
             self._kept.keep(place, trainer)  # detached from the group destroyed below
         trainer = tiers = None
         gc.collect()

@@ -191,7 +191,7 @@ class ReplicaPool:
             opts = {
                 "job_id": run.job_id, "output_dir": str(run.output_dir),
                 "heartbeat_interval_s": run.ft.heartbeat_interval_s,
-                "collective_timeout_s": run.ft.collective_timeout_s,
+                "collective_timeout_s": run.ft.collective_timeout_s, "keep_trainer": run.ft.keep_trainer,
                 "chaos": [c.model_dump() for c in run.spec.chaos],
                 "replica": rep.index, "local": local,
             }

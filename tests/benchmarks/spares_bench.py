@@ -9,6 +9,8 @@ workers' room, node b: two).
   grows back to 3 at a snapshot boundary (no failure). Pause = the gap between the last step of the dp-2
   generation and the first step at dp 3 (rank 0's step end times) minus the median step time.
 - the swap's gap the same way, for a like-for-like figure.
+- the swap with the survivors' trainers kept (fault_tolerance.keep_trainer, the default) against built
+  anew, ROUNDS each, interleaved: the re-form and restore a kept trainer saves.
 
 Usage: python -m tests.benchmarks.spares_bench
 """
@@ -28,10 +30,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 KILL_AFTER = 5
 STEPS = 40
+ROUNDS = 2  # of the keep_trainer A/B
 MODEL = {"dim": 64, "n_layers": 2, "n_heads": 4, "vocab_size": 256, "max_seq_len": 64}
 
 
-def _spec(out: Path, *, spares: int, chaos: list[dict[str, Any]]) -> Any:
+def _spec(out: Path, *, spares: int, chaos: list[dict[str, Any]], keep_trainer: bool = True) -> Any:
     from service.spec import parse_spec
 
     return parse_spec({
@@ -41,7 +44,8 @@ def _spec(out: Path, *, spares: int, chaos: list[dict[str, Any]]) -> Any:
         "parallelism": {"dp_shard": 3},
         "resources": {"cpus_per_worker": 0.5, "dp": {"min": 1, "max": 3}, "spares": spares},
         "checkpoint": {"persist_every": 0, "in_memory_every": 1},
-        "fault_tolerance": {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 30, "collective_timeout_s": 30},
+        "fault_tolerance": {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 30, "collective_timeout_s": 30,
+                            "keep_trainer": keep_trainer},
         "chaos": chaos,
     })
 
@@ -98,6 +102,13 @@ def main() -> None:
         dps = sorted({r["dp"] for r in rows})
         swap_gap = _gap(rows, 1)
 
+        # The survivors' trainers kept (the default) against built anew, runs interleaved.
+        ab: dict[bool, list[dict[str, Any]]] = {True: [], False: []}
+        for i in range(ROUNDS):
+            for keep in (False, True):
+                ev, _ = _run(_spec(Path(tmp) / f"ab{i}{keep}", spares=1, chaos=[kill], keep_trainer=keep))
+                ab[keep].append(next(e["data"] for e in ev if e["kind"] == "recovered"))
+
         events2, rows2 = _run(_spec(Path(tmp) / "grow", spares=0, chaos=[kill, slow]))
         grown = [e["data"] for e in events2 if e["kind"] == "resized" and e["data"]["new_dp"] > e["data"]["old_dp"]]
         grow_gap = _gap(rows2, grown[0]["generation"]) if grown else None
@@ -119,6 +130,18 @@ def main() -> None:
     else:
         print(f"grow-back (no spare: shrink 3 -> 2, then 2 -> 3 at generation {grown[0]['generation']}): "
               f"pause {grow_gap:.2f}s")
+    print(f"swap, survivors' trainers kept vs built anew (fault_tolerance.keep_trainer; {ROUNDS} round(s) each, "
+          "interleaved; medians):")
+    for keep in (True, False):
+        recs = ab[keep]
+        med = {k: statistics.median(float(r[k] or 0) for r in recs)
+               for k in ("total_s", "detect_s", "reform_s", "restore_s", "replay_s")}
+        print(f"  keep_trainer={str(keep).lower():5}: kill -> next step {med['total_s']:.2f}s: detect "
+              f"{med['detect_s']:.2f}s, re-form {med['reform_s']:.2f}s, restore {med['restore_s']:.2f}s, replay "
+              f"{med['replay_s']:.2f}s; ranks in place {[r.get('in_place_ranks') for r in recs]}")
+    kept_s = statistics.median(r["total_s"] for r in ab[True])
+    anew_s = statistics.median(r["total_s"] for r in ab[False])
+    print(f"  kept / anew: {kept_s / anew_s:.2f}")
     print(f"spares: swap pause {rec['total_s']:.2f}s (kill -> next step), grow-back pause "
           + (f"{grow_gap:.2f}s" if grow_gap is not None else "n/a"))
 

@@ -297,8 +297,10 @@ class Worker:
                               master_store=master, local_ranks=local)
             timings["join_s"] = info.join_s
             t0 = time.perf_counter()
-            trainer, in_place = self._kept.take(place, engine_for_dp(self.cfg, dp), device,
-                                                restoring=restore is not None)
+            # Kept only where a whole state will be loaded into it: a committed snapshot (or, failing
+            # that, a persistent checkpoint); never where the restore may turn out "fresh".
+            loads = restore is not None and restore.get("step") is not None and bool(keepers)
+            trainer, in_place = self._kept.take(place, engine_for_dp(self.cfg, dp), device, restoring=loads)
             timings["build_s"] = time.perf_counter() - t0
             tiers = Tiers(self, rank, world_size, timeout_s, keepers, trainer)
             restored: dict[str, Any] = {"step": 0, "source": "fresh"}

@@ -9,7 +9,8 @@ add_checkpoint / add_logs. Terminal statuses are final: a late write never moves
 
 Writes retry while the database is unreachable (a PostgreSQL restart): the supervisor's and the
 scheduler's for `write_retry_s`, the API's for `api_write_retry_s` (then the API answers 503). The
-database plumbing is in store_engine.py; tokens and the audit log in token_store.py (JobStore has them);
+database plumbing is in store_engine.py; tokens and the audit log in token_store.py, logs in
+log_store.py (JobStore has them);
 the scheduler's leader lease in leader_lease.py.
 """
 
@@ -18,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -27,6 +27,7 @@ from typing import Any
 from sqlalchemy import delete, func, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 
+from service.log_store import LOG_MARKER_SOURCE, MAX_LOG_LINE_CHARS, MAX_LOG_LINES, LogRecord, LogTables  # noqa: F401
 from service.models import CheckpointRow, Event, Job, LogLine, MetricRow, Token
 from service.spec import spec_to_private_json  # the one revealer of secrets; the supervisor imports it here
 from service.statuses import ACTIVE, PENDING, RECOVERING, STATUSES, TERMINAL
@@ -44,13 +45,6 @@ from service.store_engine import (  # noqa: F401 - the store's plumbing, re-expo
 from service.token_store import AuditRecord, TokenRecord, TokenTables  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
-
-# Logs are bounded per job: MAX_LOG_LINES lines (the oldest dropped first) of MAX_LOG_LINE_CHARS each.
-MAX_LOG_LINES = 50_000
-MAX_LOG_LINE_CHARS = 8192
-LOG_MARKER_SOURCE = "unbroken"
-_MARKER_COUNT = re.compile(r"^(\d+) older log lines dropped")
-
 
 class StoreError(Exception):
     """Base of the store's refusals."""
@@ -107,21 +101,6 @@ class EventRecord:
 
 
 @dataclass(frozen=True)
-class LogRecord:
-    id: int
-    ts: float
-    line: str
-    source: str | None = None
-
-
-def _cut_line(line: str) -> str:
-    line = line.rstrip("\n")
-    if len(line) <= MAX_LOG_LINE_CHARS:
-        return line
-    return f"{line[:MAX_LOG_LINE_CHARS]}... ({len(line) - MAX_LOG_LINE_CHARS} more characters cut)"
-
-
-@dataclass(frozen=True)
 class CheckpointRecord:
     step: int
     uri: str
@@ -167,7 +146,7 @@ def _job_record(row: Any) -> JobRecord:
     )
 
 
-class JobStore(TokenTables):
+class JobStore(TokenTables, LogTables):
     """All reads and writes of job state. Safe to share between threads; one per process."""
 
     def __init__(
@@ -271,47 +250,6 @@ class JobStore(TokenTables):
                 job_id=job_id, step=int(step), uri=uri, tier=tier, ts=time.time(),
                 data=json_safe(data) if data else None,
             ))
-
-    def add_log(self, job_id: str, lines: list[str], source: str | None = None) -> None:
-        """Lines from one source, stamped now (see add_logs)."""
-        now = time.time()
-        self.add_logs(job_id, [(now, source, x) for x in lines])
-
-    @retried("write_retry_s")
-    def add_logs(self, job_id: str, lines: Sequence[tuple[float, str | None, str]]) -> None:
-        """Append (ts, source, line) rows in their order. A line longer than MAX_LOG_LINE_CHARS is cut;
-        beyond `max_log_lines` a job keeps its newest lines and one marker line, first, saying how
-        many older ones were dropped. Lines for an unknown job are dropped."""
-        if not lines:
-            return
-        rows = [{"job_id": job_id, "ts": float(ts), "source": None if src is None else str(src)[:64],
-                 "line": _cut_line(str(line))} for ts, src, line in lines]
-        with self.engine.begin() as conn:
-            # Locks the job's row on PostgreSQL, so one writer at a time trims its logs.
-            if conn.execute(select(Job.seq).where(Job.id == job_id).with_for_update()).first() is None:
-                return
-            conn.execute(insert(LogLine), rows)
-            self._trim_logs(conn, job_id)
-
-    def _trim_logs(self, conn: Any, job_id: str) -> None:
-        keep = self.max_log_lines - 1  # and the marker
-        cut = conn.execute(select(LogLine.id, LogLine.ts).where(LogLine.job_id == job_id)
-                           .order_by(LogLine.id.desc()).offset(keep).limit(1)).first()
-        if cut is None:
-            return
-        old = LogLine.job_id == job_id, LogLine.id <= cut.id
-        dropped = conn.execute(select(func.count()).select_from(LogLine)
-                               .where(*old, or_(LogLine.source.is_(None), LogLine.source != LOG_MARKER_SOURCE))
-                               ).scalar_one()
-        for (text,) in conn.execute(select(LogLine.line).where(*old, LogLine.source == LOG_MARKER_SOURCE)):
-            m = _MARKER_COUNT.match(text)
-            dropped += int(m.group(1)) if m else 0
-        conn.execute(delete(LogLine).where(*old))
-        # The marker takes the newest dropped line's id, so it reads first and a follower behind it sees it.
-        conn.execute(insert(LogLine).values(
-            id=cut.id, job_id=job_id, ts=cut.ts, source=LOG_MARKER_SOURCE,
-            line=f"{dropped} older log lines dropped: a job keeps its newest {self.max_log_lines} lines",
-        ))
 
     # ---- the API's side --------------------------------------------------------------------
 
@@ -473,22 +411,6 @@ class JobStore(TokenTables):
                 .limit(limit)
             ).all()
         return [r[0] for r in rows]
-
-    def logs(self, job_id: str, after_id: int = 0, limit: int = 1000) -> list[LogRecord]:
-        with self.engine.connect() as conn:
-            rows = conn.execute(
-                select(LogLine.__table__).where(LogLine.job_id == job_id, LogLine.id > after_id).order_by(LogLine.id)
-                .limit(limit)
-            ).all()
-        return [LogRecord(r.id, r.ts, r.line, r.source) for r in rows]
-
-    def newest_log_times(self, job_id: str) -> dict[str, float]:
-        """{source: time of its newest line} of a job's logs (a supervisor that takes over asks its workers
-        for the lines after these: Worker.lines_after). Unnamed sources are left out."""
-        with self.engine.connect() as conn:
-            rows = conn.execute(select(LogLine.source, func.max(LogLine.ts)).where(
-                LogLine.job_id == job_id, LogLine.source.is_not(None)).group_by(LogLine.source)).all()
-        return {str(src): float(ts) for src, ts in rows}
 
     def checkpoints(self, job_id: str) -> list[CheckpointRecord]:
         with self.engine.connect() as conn:

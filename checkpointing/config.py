@@ -35,6 +35,9 @@ class CheckpointConfig(BaseModel):
     persist_every: int = Field(50, ge=0, description="steps between persistent checkpoints; 0 disables")
     keep_last: int = Field(3, ge=1, description="persistent checkpoints kept (retention)")
     keeper_memory_limit_mb: int = Field(4096, ge=1, description="per keeper; larger snapshots are refused")
+    heal_from_peer: bool = Field(True, description="with data-parallel replicas (HSDP, DDP), one rank of each "
+                                 "replica group reads a snapshot at a restore and the others take it from it over "
+                                 "the group; false: every rank reads the keepers")
     resume: bool = Field(
         True, description="start from the newest valid checkpoint of this job's own, if any (never another job's)"
     )

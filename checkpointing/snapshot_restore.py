@@ -51,7 +51,7 @@ def short_error(e: BaseException) -> str:
 
 @dataclass
 class RestoreInfo:
-    source: str  # "keepers" or "persistent"
+    source: str  # "keepers", "persistent", or "peer" (checkpointing.peer_heal)
     job_id: str
     step: int
     generation: int | None
@@ -233,20 +233,28 @@ def restore_with_fallback(
     generation: int | None = None,
     prefer_node: str | None = None,
     group: dist.ProcessGroup | None = None,
+    read: bool = True,
 ) -> RestoreInfo:
     """restore_from_keepers on every rank; if any rank hits SnapshotLost, all load the newest valid
     persistent checkpoint with `manager` (a checkpointing.persistent.CheckpointManager on the current
     group). Collective when torch.distributed is initialised: every rank must call it.
+
+    read=False: this rank takes the snapshot from a replica instead (checkpointing.peer_heal); it reads
+    nothing unless the fallback is taken, and gets a RestoreInfo with source "peer".
     """
     t0 = time.perf_counter()
     info: RestoreInfo | None = None
     why = ""
-    try:
-        info = restore_from_keepers(
-            keepers, job_id, state, step=step, generation=generation, prefer_node=prefer_node
-        )
-    except SnapshotLost as e:
-        why = str(e)
+    if read:
+        try:
+            info = restore_from_keepers(
+                keepers, job_id, state, step=step, generation=generation, prefer_node=prefer_node
+            )
+        except SnapshotLost as e:
+            why = str(e)
+    else:
+        info = RestoreInfo(source="peer", job_id=job_id, step=-1 if step is None else step, generation=generation,
+                           world_size=None)
     reasons = [why]
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         gathered: list[Any] = [None] * dist.get_world_size(group)

@@ -306,7 +306,7 @@ class Worker:
             restored: dict[str, Any] = {"step": 0, "source": "fresh"}
             if restore is not None:
                 t0 = time.perf_counter()
-                restored = tiers.restore(trainer, restore)
+                restored = tiers.restore(trainer, restore, in_place=in_place)
                 timings["restore_s"] = time.perf_counter() - t0
                 if generation > 0 and tiers.persist_every:
                     # A stale rank of an older generation may still be uploading: from here on its commit

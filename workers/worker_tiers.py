@@ -5,12 +5,15 @@ and the errors that mean its group broke."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from pathlib import Path
 from typing import Any
 
 from workers import telemetry
 from workers.protocol import CheckpointReport, SnapshotAck
+
+log = logging.getLogger("unbroken.worker")
 
 
 def checkpoint_root(ckpt_cfg: Any, output_dir: str | Path) -> str:
@@ -131,20 +134,31 @@ class Tiers:
         self.w.send(CheckpointReport(self.w.name, res.generation, self.rank, time.time(), step=res.step, ok=res.ok,
                                      uri=res.uri, error=res.error, abandoned=broken))
 
-    def restore(self, trainer: Any, target: dict[str, Any]) -> dict[str, Any]:
+    def restore(self, trainer: Any, target: dict[str, Any], *, in_place: bool = False) -> dict[str, Any]:
         """Load the committed snapshot the supervisor chose (resharded), else the newest persistent one.
+        With data-parallel replicas, one rank of each replicate group reads the snapshot (one that kept
+        its trainer, `in_place`, where there is one) and the others heal from it (checkpointing.peer_heal).
 
         `trainer.state_dict()` initialises a fresh optimizer's state (DCP runs a zero-lr step), which
         would shift a fresh run's Adam step count: it is only called when there is a state to load.
         """
         step, gen = target.get("step"), target.get("generation")
         if self.keepers and step is not None:
+            from checkpointing import peer_heal
             from checkpointing.snapshot import restore_with_fallback
 
+            peers = peer_heal.plan(trainer, in_place) if self.w.ckpt_cfg.heal_from_peer else None
+            reads = peers is None or peers.reads(self.rank)
             state = trainer.state_dict()
             info = restore_with_fallback(self.keepers, self.w.opts.job_id, state, self.persistent, step=step,
-                                         generation=gen, prefer_node=self.w.node_name)
-            trainer.load_state_dict(state)
+                                         generation=gen, prefer_node=self.w.node_name, read=reads)
+            if reads:
+                trainer.load_state_dict(state)
+            if peers is not None and info.source != "persistent":  # a fallback: every rank loaded it
+                nbytes = peer_heal.share(state, peers, self.rank)
+                if not reads:
+                    trainer.load_state_dict(state)
+                    log.info("healed %d bytes from rank %d, a live replica", nbytes, peers.source)
             return {"step": int(trainer.step), "source": info.source, "fallback_reason": info.fallback_reason,
                     "uri": info.uri, "snapshot_world": info.world_size}
         ckpt = self.persistent.latest_valid(deep=False)

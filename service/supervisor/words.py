@@ -7,7 +7,8 @@ from typing import Any
 from service.policies import FailureKind
 
 SOURCE_WORDS = {"keepers": "from memory", "memory": "from memory", "persistent": "from the persistent checkpoint",
-                "fresh": "from scratch", "resume_from": "from checkpoint.resume_from"}
+                "fresh": "from scratch", "resume_from": "from checkpoint.resume_from",
+                "peer": "from a live replica"}
 
 
 def first_line(e: Any) -> str:

@@ -9,8 +9,9 @@ workers' room, node b: two).
   grows back to 3 at a snapshot boundary (no failure). Pause = the gap between the last step of the dp-2
   generation and the first step at dp 3 (rank 0's step end times) minus the median step time.
 - the swap's gap the same way, for a like-for-like figure.
-- the swap with the survivors' trainers kept (fault_tolerance.keep_trainer, the default) against built
-  anew, ROUNDS each, interleaved: the re-form and restore a kept trainer saves.
+- the swap four ways, ROUNDS each, interleaved: FSDP with the survivors' trainers kept
+  (fault_tolerance.keep_trainer, the default) or built anew; three replicas (HSDP 3 x 1) with the spare
+  healing from a live replica (checkpoint.heal_from_peer, the default) or reading the keepers.
 
 Usage: python -m tests.benchmarks.spares_bench
 """
@@ -30,20 +31,27 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 KILL_AFTER = 5
 STEPS = 40
-ROUNDS = 2  # of the keep_trainer A/B
+ROUNDS = 2  # of the swap variants
+VARIANTS: dict[str, dict[str, Any]] = {
+    "fsdp, trainers kept": {"keep_trainer": True},
+    "fsdp, trainers built anew": {"keep_trainer": False},
+    "hsdp, heal from a replica": {"parallelism": {"dp_replicate": 3, "dp_shard": 1}, "heal_from_peer": True},
+    "hsdp, read the keepers": {"parallelism": {"dp_replicate": 3, "dp_shard": 1}, "heal_from_peer": False},
+}
 MODEL = {"dim": 64, "n_layers": 2, "n_heads": 4, "vocab_size": 256, "max_seq_len": 64}
 
 
-def _spec(out: Path, *, spares: int, chaos: list[dict[str, Any]], keep_trainer: bool = True) -> Any:
+def _spec(out: Path, *, spares: int, chaos: list[dict[str, Any]], keep_trainer: bool = True,
+          heal_from_peer: bool = True, parallelism: dict[str, Any] | None = None) -> Any:
     from service.spec import parse_spec
 
     return parse_spec({
         "name": "spares-bench", "model": MODEL,
         "training": {"steps": STEPS, "seq_len": 32, "global_batch_size": 12, "warmup_steps": 1,
                      "output_dir": str(out)},
-        "parallelism": {"dp_shard": 3},
+        "parallelism": parallelism or {"dp_shard": 3},
         "resources": {"cpus_per_worker": 0.5, "dp": {"min": 1, "max": 3}, "spares": spares},
-        "checkpoint": {"persist_every": 0, "in_memory_every": 1},
+        "checkpoint": {"persist_every": 0, "in_memory_every": 1, "heal_from_peer": heal_from_peer},
         "fault_tolerance": {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 30, "collective_timeout_s": 30,
                             "keep_trainer": keep_trainer},
         "chaos": chaos,
@@ -102,12 +110,13 @@ def main() -> None:
         dps = sorted({r["dp"] for r in rows})
         swap_gap = _gap(rows, 1)
 
-        # The survivors' trainers kept (the default) against built anew, runs interleaved.
-        ab: dict[bool, list[dict[str, Any]]] = {True: [], False: []}
+        # The swap four ways, interleaved: FSDP with the survivors' trainers kept (the default) or built
+        # anew; three replicas (HSDP 3 x 1) with the spare healing from a live replica or reading the keepers.
+        ab: dict[str, list[dict[str, Any]]] = {name: [] for name in VARIANTS}
         for i in range(ROUNDS):
-            for keep in (False, True):
-                ev, _ = _run(_spec(Path(tmp) / f"ab{i}{keep}", spares=1, chaos=[kill], keep_trainer=keep))
-                ab[keep].append(next(e["data"] for e in ev if e["kind"] == "recovered"))
+            for j, (name, kw) in enumerate(VARIANTS.items()):
+                ev, _ = _run(_spec(Path(tmp) / f"ab{i}-{j}", spares=1, chaos=[kill], **kw))
+                ab[name].append(next(e["data"] for e in ev if e["kind"] == "recovered"))
 
         events2, rows2 = _run(_spec(Path(tmp) / "grow", spares=0, chaos=[kill, slow]))
         grown = [e["data"] for e in events2 if e["kind"] == "resized" and e["data"]["new_dp"] > e["data"]["old_dp"]]
@@ -130,18 +139,21 @@ def main() -> None:
     else:
         print(f"grow-back (no spare: shrink 3 -> 2, then 2 -> 3 at generation {grown[0]['generation']}): "
               f"pause {grow_gap:.2f}s")
-    print(f"swap, survivors' trainers kept vs built anew (fault_tolerance.keep_trainer; {ROUNDS} round(s) each, "
-          "interleaved; medians):")
-    for keep in (True, False):
-        recs = ab[keep]
-        med = {k: statistics.median(float(r[k] or 0) for r in recs)
-               for k in ("total_s", "detect_s", "reform_s", "restore_s", "replay_s")}
-        print(f"  keep_trainer={str(keep).lower():5}: kill -> next step {med['total_s']:.2f}s: detect "
-              f"{med['detect_s']:.2f}s, re-form {med['reform_s']:.2f}s, restore {med['restore_s']:.2f}s, replay "
-              f"{med['replay_s']:.2f}s; ranks in place {[r.get('in_place_ranks') for r in recs]}")
-    kept_s = statistics.median(r["total_s"] for r in ab[True])
-    anew_s = statistics.median(r["total_s"] for r in ab[False])
-    print(f"  kept / anew: {kept_s / anew_s:.2f}")
+    print(f"swap four ways ({ROUNDS} round(s) each, interleaved; medians):")
+    med: dict[str, dict[str, float]] = {}
+    for name, recs in ab.items():
+        med[name] = {k: statistics.median(float(r[k] or 0) for r in recs)
+                     for k in ("total_s", "detect_s", "reform_s", "restore_s", "replay_s")}
+        m = med[name]
+        print(f"  {name:26}: kill -> next step {m['total_s']:.2f}s: detect {m['detect_s']:.2f}s, re-form "
+              f"{m['reform_s']:.2f}s, restore {m['restore_s']:.2f}s, replay {m['replay_s']:.2f}s; in place "
+              f"{[r.get('in_place_ranks') for r in recs]}, sources {[r.get('source') for r in recs]}")
+    names = list(VARIANTS)
+    print(f"  kept / anew (kill -> next step): {med[names[0]]['total_s'] / med[names[1]]['total_s']:.2f}; "
+          f"re-form + restore {(med[names[0]]['reform_s'] + med[names[0]]['restore_s']):.2f}s vs "
+          f"{(med[names[1]]['reform_s'] + med[names[1]]['restore_s']):.2f}s")
+    print(f"  heal from a live replica / read the keepers (restore): "
+          f"{med[names[2]]['restore_s'] / max(med[names[3]]['restore_s'], 1e-9):.2f}")
     print(f"spares: swap pause {rec['total_s']:.2f}s (kill -> next step), grow-back pause "
           + (f"{grow_gap:.2f}s" if grow_gap is not None else "n/a"))
 

@@ -93,9 +93,9 @@ class Reporter:
 
     def fail(self, reason: str, tb: str | None = None) -> None:
         self.run.reason = reason
+        self.event("failed", reason, **({"traceback": tb} if tb else {}))  # before the status it explains
         if self.run.sm.can(JobState.FAILED):
             self.to(JobState.FAILED, reason)
-        self.event("failed", reason, **({"traceback": tb} if tb else {}))
 
     def on_checkpoint(self, note: CheckpointReport) -> None:
         """Rank 0's note about a persistent checkpoint."""

@@ -38,7 +38,7 @@ def cluster() -> Iterator[LocalCluster]:
 
 
 def spec(out: Path, *, spares: int, chaos: list[dict[str, Any]] | None = None) -> Any:
-    s = tiny_spec(out, steps=STEPS, dp=3, dp_min=1, chaos=chaos)
+    s = tiny_spec(out, steps=STEPS, dp=3, dp_min=3, chaos=chaos)  # whole replicas: dp.min a multiple of 3
     # Three replicas of the whole model (HSDP over 3 x 1): a newcomer can heal from a live replica.
     par = s.parallelism.model_copy(update={"dp_replicate": 3, "dp_shard": 1})
     return s.model_copy(update={"resources": s.resources.model_copy(update={"spares": spares}), "parallelism": par})

@@ -88,7 +88,8 @@ def _ray_train(tmp: Path) -> dict[str, float]:
     wall = time.time() - t0
     t_kill = float(marker.read_text())
     steps = [json.loads(x) for x in log.read_text().splitlines()]
-    after = [s for s in steps if s["time"] > t_kill]
+    # Past the kill *and* the step it came after: rank 0 may log that step's report after rank 1 left.
+    after = [s for s in steps if "time" in s and s["time"] > t_kill and s["step"] > KILL_AFTER]
     total = after[0]["time"] - t_kill
     return {"total_s": total, "wall_s": wall, "resumed_step": after[0]["step"]}
 

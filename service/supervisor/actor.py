@@ -183,7 +183,7 @@ class Supervisor:
             self.controller.run_to_end()
         finally:
             with contextlib.suppress(Exception):
-                self.reporter.flush_metrics()
+                self.reporter.flush_metrics(force=True)
                 self.reporter.settle_recovery()
             self._release_all()
             self.reporter.flush_logs()

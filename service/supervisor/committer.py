@@ -189,7 +189,7 @@ class SnapshotCommitter:
         With none, the ranks read the newest persistent checkpoint. After training progressed, finding
         neither never restarts from step 0 silently: the target carries `must_restore` (why the ranks must
         fail rather than start over) unless fault_tolerance.restart_from_scratch allows it."""
-        self.reporter.flush_metrics()
+        self.reporter.flush_metrics(force=True)
         self.reporter.settle_store()  # the rows just flushed count for the commit (not minutes: see there)
         self.commit()
         lookup_failed = None

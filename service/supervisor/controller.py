@@ -124,7 +124,7 @@ class Controller:
             # The event that explains a final status goes first: whoever sees the status finds it.
             case Finished():
                 self.reporter.to(JobState.FINISHING, "every rank finished")
-                self.reporter.flush_metrics()
+                self.reporter.flush_metrics(force=True)
                 steps = self.reporter.last_row_step
                 self.reporter.event("finished", f"job finished: {steps} steps, {self.run.recoveries} "
                                     "recovery(ies)", steps=steps, recoveries=self.run.recoveries)

@@ -24,6 +24,7 @@ log = logging.getLogger("unbroken.supervisor")
 
 _LOG_FLUSH_S = 0.5  # how often the job's output lines go to the store
 _HEARTBEAT_GAUGE_S = 1.0  # how often heartbeat ages are exported
+ROW_GAP_HOLD_S = 2.0  # how long a metrics row waits for an earlier step's that has not come yet
 
 
 @dataclass
@@ -50,6 +51,7 @@ class Reporter:
         self._heartbeats_exported_at = 0.0
         self._metrics_log: Any = None
         self._tb: Any = None  # workers.tensorboard.TensorBoardLog when the spec asks for it
+        self._gap_since: float | None = None  # since when a row waits for an earlier step's (flush_metrics)
         self.last_row_step = 0  # the last step whose metrics row is written
         self.last_row: dict[str, Any] | None = None
         self.checkpoints_written = 0  # persistent checkpoints this supervisor saw written
@@ -220,17 +222,27 @@ class Reporter:
             self.writer.put("logs", self.run.store.add_logs, self.run.job_id, lines)
 
     # ----------------------------------------------------------------- metrics
-    def flush_metrics(self) -> None:
-        """Rows in step order, each step once (a step re-run after a recovery is not written again)."""
+    def flush_metrics(self, *, force: bool = False) -> None:
+        """Rows in step order, each step once (a step re-run after a recovery is not written again).
+
+        Rank 0's notes reach a threaded actor in any order, so a row whose step follows a gap waits up
+        to ROW_GAP_HOLD_S for the missing one (else that row, arriving next, would be dropped as old);
+        `force` (a recovery's restore target, the end) writes past any gap at once."""
         run = self.run
+        now = time.monotonic()
         with run.lock:
             rows = []
             for step in sorted(run.pending_rows):
                 if step <= self.last_row_step:
+                    del run.pending_rows[step]
                     continue
-                rows.append(run.pending_rows[step])
+                if step != self.last_row_step + 1 and not force:
+                    self._gap_since = self._gap_since if self._gap_since is not None else now
+                    if now - self._gap_since < ROW_GAP_HOLD_S:
+                        break
+                rows.append(run.pending_rows.pop(step))
                 self.last_row_step = step
-            run.pending_rows.clear()
+                self._gap_since = None
         if not rows:
             return
         for r in rows:

@@ -1,0 +1,58 @@
+"""The supervisor's metrics rows reach metrics.jsonl in step order, each once, even when rank 0's notes
+arrive out of order (a threaded actor takes them in any order)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from service.spec import JobSpec
+from service.supervisor import reporter as reporter_mod
+from service.supervisor.context import JobRun
+from service.supervisor.reporter import Reporter
+
+
+def _reporter(tmp_path: Path) -> tuple[JobRun, Reporter]:
+    run = JobRun(job_id="j", spec=JobSpec.model_validate({"name": "rows"}), namespace="t", store=None,
+                 restarted=False, self_handle=None, mp=1, cp_tp=1, per_worker={"CPU": 1.0}, dp_min=1, dp_max=1,
+                 output_dir=tmp_path)  # fmt: skip
+    rep = Reporter(run, None)
+    rep.open_outputs()
+    return run, rep
+
+
+def _row(step: int) -> dict[str, Any]:
+    return {"step": step, "loss": 1.0 / step, "generation": 0}
+
+
+def _written(tmp_path: Path) -> list[int]:
+    return [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_row_before_its_predecessor_waits_for_it(tmp_path: Path) -> None:
+    run, rep = _reporter(tmp_path)
+    run.pending_rows[2] = _row(2)  # step 2's note came first
+    rep.flush_metrics()
+    assert rep.last_row_step == 0  # held: step 1 may still come
+    run.pending_rows[1] = _row(1)
+    rep.flush_metrics()
+    rep.close_outputs()
+    assert _written(tmp_path) == [1, 2]
+
+
+def test_a_gap_is_written_past_after_the_hold_or_when_forced(tmp_path: Path, monkeypatch: Any) -> None:
+    run, rep = _reporter(tmp_path)
+    run.pending_rows[1] = _row(1)
+    run.pending_rows[3] = _row(3)
+    rep.flush_metrics()
+    assert rep.last_row_step == 1  # 3 waits for 2
+    monkeypatch.setattr(reporter_mod, "ROW_GAP_HOLD_S", 0.0)
+    rep.flush_metrics()
+    assert rep.last_row_step == 3  # step 2 never came: not held forever
+    run.pending_rows[2] = _row(2)  # too late: a step is written once, in order
+    run.pending_rows[5] = _row(5)
+    monkeypatch.setattr(reporter_mod, "ROW_GAP_HOLD_S", 60.0)
+    rep.flush_metrics(force=True)  # a restore target or the end: nothing waits
+    rep.close_outputs()
+    assert _written(tmp_path) == [1, 3, 5] and not run.pending_rows

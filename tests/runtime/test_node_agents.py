@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -271,3 +272,49 @@ def test_the_scale_simulation_runs_at_64_ranks_and_finds_every_fault_as_what_it_
     # A node loss was found by its agent's silence, before Ray's health check would report it.
     assert r["node_loss"]["p99"] < RAY_NODE_S
     assert r["msgs_per_s"] > 0 and r["steps"] > 0
+
+
+@pytest.fixture(scope="module")
+def bc_cluster() -> Iterator[Any]:
+    """The head runs no workers; nodes b and c hold two 0.5-CPU workers each (one agent group, led by b)."""
+    from tests.runtime.conftest import make_cluster
+
+    yield from make_cluster(0, {"b": 1, "c": 1})
+
+
+def test_a_node_killed_is_found_by_its_group_leaders_agent(bc_cluster: Any, tmp_path: Path) -> None:
+    import ray
+
+    from tests.runtime.jobs import JobRun, assert_no_leaks, tiny_spec
+
+    slow = [{"kind": "slow_worker", "step": 0, "rank": r, "seconds": 0.3} for r in range(4)]
+    run = JobRun(tiny_spec(tmp_path, steps=40, chaos=slow))
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            run.poll()
+            st = ray.get(run.handle.status.remote(), timeout=30)
+            if st["step"] >= 3:
+                break
+            time.sleep(0.3)
+        gen0 = run.of("generation")[0]["data"]
+        assert gen0["world_size"] == 4 and gen0["agents"] == ["b", "c"], gen0
+        bc_cluster.kill_node("c")  # a member of b's group: b's agent sees it fall silent
+        run.wait(timeout_s=400)
+        assert run.status["state"] == "SUCCEEDED", (run.status.get("reason"),
+                                                    [(e["kind"], e["message"][:200]) for e in run.events][-15:])
+        silent = run.of("agent_silent")  # b's agent saw c fall silent (then the supervisor confirms, or
+        # Ray's report of the dead workers ends the generation first)
+        assert silent and silent[0]["data"]["node"] == "c" and silent[0]["data"]["leader"] == "b", run.kinds()
+        assert not run.of("agent_answered"), run.of("agent_answered")  # nothing alive was suspected
+        # The recovery starts from whichever report comes first: Ray's of the node's dead workers (often
+        # before the node is marked dead: worker_died), the agents', or a broken collective.
+        first = run.of("failure_detected")[0]["data"]
+        assert first["kind"] in ("node_died", "worker_died", "collective_error"), first
+        # Both of c's ranks are written off: at once (the agents' report), or one by one as Ray reports them.
+        resizes = [(e["data"]["old_dp"], e["data"]["new_dp"]) for e in run.of("resized")]
+        assert resizes in ([(4, 2)], [(4, 3), (3, 2)]), resizes
+        assert run.of("generation")[-1]["data"]["agents"] == ["b"]
+    finally:
+        run.finish()
+    assert_no_leaks(run.job_id)

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
-from parallel.dims import parallelism_problems, stages_per_rank
+from parallel.layout_rules import parallelism_problems, stages_per_rank
 
 
 class _Strict(BaseModel):

@@ -10,7 +10,7 @@ Schedules: gpipe, 1f1b (one stage per rank), interleaved_1f1b, zero_bubble
 (ScheduleInterleavedZeroBubble), zbv (ScheduleZBVZeroBubble). Stages under FSDP must use
 `reshard_after_forward=False`: the zero-bubble schedules give silently wrong gradients otherwise
 (measured on torch 2.13; see NOTES.md). Whether a pipeline layout can run is the layout authority's
-to say (parallel/dims.py); the bubble of each schedule is the planner's (parallel/planner/timing.py).
+to say (parallel/layout_rules.py); the bubble of each schedule is the planner's (parallel/planner/timing.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from parallel.config import ModelConfig, ParallelConfig
-from parallel.dims import (
+from parallel.layout_rules import (
     LayoutProblem,
     ParallelDimsError,
     microbatch_problems,

@@ -8,7 +8,7 @@ resolved at submission, and the memory re-check of a smaller data-parallel degre
   what to record in the job's `layout_chosen` event. Raises LayoutRefused naming the reasons.
 - `check_resize(spec, new_dp, cluster)`: why the job's layout cannot run at `new_dp` (empty: it
   can); the supervisor calls it before shrinking or growing a group. The layout at `new_dp` is
-  parallel.dims.layout_at_dp, the one the worker forms.
+  parallel.layout_rules.layout_at_dp, the one the worker forms.
 
 Pure arithmetic (no torch, no ray): the planner in parallel/planner and service.sizing.
 """
@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from parallel.dims import layout_at_dp
+from parallel.layout_rules import layout_at_dp
 from parallel.planner.hardware import HARDWARE, Cluster, PlanError, make_cluster
 from parallel.planner.layout import Layout, layout_from_config
 from parallel.planner.search import Candidate, evaluate, plan

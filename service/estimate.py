@@ -31,7 +31,7 @@ class RunEstimate:
 def estimate_run(spec: Any, cluster_total: Mapping[str, float] | None, candidate: Any = None) -> RunEstimate | None:
     """The planner's estimate for `spec` (a concrete layout, or `candidate`: the planner.Candidate that
     `parallelism: auto` chose) on the cluster `cluster_total` describes; None when it has none."""
-    from parallel.dims import layout_at_dp
+    from parallel.layout_rules import layout_at_dp
     from parallel.planner.hardware import PlanError
     from parallel.planner.layout import layout_from_config
     from parallel.planner.search import Candidate, evaluate

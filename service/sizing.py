@@ -2,14 +2,14 @@
 
 Pure arithmetic on a JobSpec (no torch, no ray), shared by the API's checks at submit time
 and the scheduler's gang admission. What a layout needs is the layout authority's
-(parallel/dims.py); this module asks it about the job's dp range.
+(parallel/layout_rules.py); this module asks it about the job's dp range.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from parallel import dims
+from parallel import layout_rules as rules
 
 # Ray's resource names for the two built-in kinds.
 CPU = "CPU"
@@ -17,8 +17,8 @@ GPU = "GPU"
 
 
 def model_parallel_size(spec: Any) -> int:
-    """Workers per data-parallel replica (parallel.dims.model_parallel_size: tp × pp × cp)."""
-    return dims.model_parallel_size(spec.parallelism)
+    """Workers per data-parallel replica (parallel.layout_rules.model_parallel_size: tp × pp × cp)."""
+    return rules.model_parallel_size(spec.parallelism)
 
 
 def dp_range(spec: Any) -> tuple[int, int | None]:
@@ -95,12 +95,12 @@ def layout_problems(spec: Any, cluster_total: dict[str, float] | None = None) ->
 
 
 def model_layout_problems(spec: Any) -> list[tuple[str, str]]:
-    """The layout (parallel.dims.layout_at_dp) at resources.dp.min and at its max, judged by the layout
+    """The layout (parallel.layout_rules.layout_at_dp) at resources.dp.min and at its max, judged by the layout
     authority; a problem found at one of them only says at which dp."""
     p = spec.parallelism
     dp_min, dp_max = dp_range(spec)
     found = {
-        dp: dims.layout_problems(dims.layout_at_dp(p, dp), spec.model, spec.training, dp * model_parallel_size(spec))
+        dp: rules.layout_problems(rules.layout_at_dp(p, dp), spec.model, spec.training, dp * model_parallel_size(spec))
         for dp in sorted({dp_min, dp_max or dp_min})
     }
     problems: list[tuple[str, str]] = []
@@ -114,10 +114,10 @@ def model_layout_problems(spec: Any) -> list[tuple[str, str]]:
 
 
 def dp_problems(spec: Any) -> list[tuple[str, str]]:
-    """resources.dp against the parallelism section (parallel.dims.dp_range_problems), and spares
+    """resources.dp against the parallelism section (parallel.layout_rules.dp_range_problems), and spares
     against the dp range."""
     dp_min, dp_max = dp_range(spec)
-    problems = [x.pair() for x in dims.dp_range_problems(spec.parallelism, dp_min, spec.resources.dp.max)]
+    problems = [x.pair() for x in rules.dp_range_problems(spec.parallelism, dp_min, spec.resources.dp.max)]
     spares = spare_replicas(spec)
     if spares and dp_max is None and not spec.parallelism.auto:
         problems.append(("resources.spares", f"spares={spares} needs a bounded data-parallel degree: this job grows "

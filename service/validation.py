@@ -1,6 +1,6 @@
 """Everything that refuses a job at submit time, beyond the spec's own pydantic checks.
 
-The layout rules are the layout authority's (parallel/dims.py, no torch), asked through
+The layout rules are the layout authority's (parallel/layout_rules.py, no torch), asked through
 service.sizing at the smallest and largest dp the job may run at; this module adds what only the
 server can know (optional packages where the supervisor runs).
 """

@@ -381,8 +381,8 @@ def device_is_cuda() -> bool:
 
 
 def engine_for_dp(cfg: Any, dp: int) -> Any:
-    """The engine config at data-parallel degree `dp`: its layout is parallel.dims.layout_at_dp's."""
-    from parallel.dims import layout_at_dp
+    """The engine config at data-parallel degree `dp`: its layout is parallel.layout_rules.layout_at_dp's."""
+    from parallel.layout_rules import layout_at_dp
 
     return cfg.model_copy(update={"parallelism": layout_at_dp(cfg.parallelism, dp)}, deep=True)
 

@@ -4,7 +4,7 @@ Mesh order follows torchtitan: [pp, dp_replicate, dp_shard, cp, tp], tp innermos
 groups are consecutive ranks (inside a node when they fit) and pp is outermost. FSDP shards
 over dp_shard×cp flattened; expert parallelism borrows its ranks from that same group
 (ep divides dp_shard·cp), as in torchtitan, so it does not multiply the world size.
-Whether a layout can run at all is the layout authority's to say (parallel/dims.py).
+Whether a layout can run at all is the layout authority's to say (parallel/layout_rules.py).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from parallel.config import ModelConfig, ParallelConfig, TrainConfig
-from parallel.dims import (
+from parallel.layout_rules import (
     LOOPED_SCHEDULES,
     layout_problems,
     local_batch_size,

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from parallel.config import EngineConfig, ModelConfig, ParallelConfig, TrainConfig
-from parallel.dims import ep_problems, stages_per_rank
+from parallel.layout_rules import ep_problems, stages_per_rank
 from parallel.planner.hardware import Cluster, PlanError
 from parallel.planner.layout import (
     Layout,

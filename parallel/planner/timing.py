@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from parallel.config import ModelConfig, TrainConfig
-from parallel.dims import SINGLE_STAGE_SCHEDULES
+from parallel.layout_rules import SINGLE_STAGE_SCHEDULES
 from parallel.planner.comm import CommTerm, estimate_comm
 from parallel.planner.flops import flops_per_token_term, recompute_flops_per_token
 from parallel.planner.hardware import Cluster

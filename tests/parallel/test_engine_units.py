@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from parallel.config import EngineConfig, ModelConfig, TrainConfig
-from parallel.dims import ParallelDimsError
+from parallel.layout_rules import ParallelDimsError
 from parallel.metrics import device_peak_flops, flops_per_token, mfu, param_counts, peak_memory_bytes
 from parallel.model import build_model
 from parallel.optim import clip_grad_norm_, lr_factor

@@ -1,4 +1,4 @@
-"""Every layout rule, held against every caller of the layout authority (parallel/dims.py).
+"""Every layout rule, held against every caller of the layout rules (parallel/layout_rules.py).
 
 One table: each row breaks one rule and names the field it must be reported under and a phrase of
 its message. Each caller must refuse the row the same way: the engine (ParallelDims), the local
@@ -16,9 +16,10 @@ from typing import Any
 import pytest
 import torch
 
-from parallel import dims, pp
+from parallel import layout_rules, pp
 from parallel.config import EngineConfig, ParallelConfig
-from parallel.dims import ParallelDims, ParallelDimsError, layout_at_dp
+from parallel.dims import ParallelDims
+from parallel.layout_rules import ParallelDimsError, layout_at_dp
 from parallel.planner import check_fits, make_cluster
 from parallel.planner.layout import Layout
 from parallel.planner.search import Rejected, evaluate
@@ -89,7 +90,7 @@ def _engine(rule: Rule) -> tuple[EngineConfig, int]:
     job = rule.job()
     at = layout_at_dp(job.parallelism, rule.dp)
     cfg = EngineConfig(model=job.model, training=job.training, parallelism=at)
-    return cfg, rule.dp * dims.model_parallel_size(at)
+    return cfg, rule.dp * layout_rules.model_parallel_size(at)
 
 
 def _fields(problems: list[tuple[str, str]], phrase: str) -> list[str]:

@@ -121,19 +121,17 @@ class Controller:
                 return self._recover(failure)
             case Resizing():
                 return self._resize()
-            # The event that explains a final status goes first: whoever sees the status finds it.
             case Finished():
                 self.reporter.to(JobState.FINISHING, "every rank finished")
                 self.reporter.flush_metrics(force=True)
                 steps = self.reporter.last_row_step
-                self.reporter.event("finished", f"job finished: {steps} steps, {self.run.recoveries} "
-                                    "recovery(ies)", steps=steps, recoveries=self.run.recoveries)
-                self.reporter.to(JobState.SUCCEEDED, "finished")
+                self.reporter.conclude(JobState.SUCCEEDED, "finished", "finished", f"job finished: {steps} steps, "
+                                       f"{self.run.recoveries} recovery(ies)", steps=steps,
+                                       recoveries=self.run.recoveries)
                 return state
             case Cancelled():
                 self.gens.stop_all()
-                self.reporter.event("cancelled", "job cancelled")
-                self.reporter.to(JobState.CANCELLED, "cancelled")
+                self.reporter.conclude(JobState.CANCELLED, "cancelled", "cancelled", "job cancelled")
                 return state
             case Failed(reason=reason, traceback=tb):
                 self.reporter.fail(reason, tb)

@@ -93,11 +93,16 @@ class Reporter:
         if self.writer is not None and (STORE_STATUS[prev] != STORE_STATUS[state] or prev == JobState.STARTING):
             self.writer.put("status", run.store.set_status, run.job_id, STORE_STATUS[state], reason or None)
 
+    def conclude(self, state: JobState, reason: str, kind: str, message: str, /, **data: Any) -> None:
+        """A final status and the event that explains it, the event first: whoever sees the status finds
+        the event (the store writes them in this order)."""
+        self.event(kind, message, **data)
+        if self.run.sm.can(state):
+            self.to(state, reason)
+
     def fail(self, reason: str, tb: str | None = None) -> None:
         self.run.reason = reason
-        self.event("failed", reason, **({"traceback": tb} if tb else {}))  # before the status it explains
-        if self.run.sm.can(JobState.FAILED):
-            self.to(JobState.FAILED, reason)
+        self.conclude(JobState.FAILED, reason, "failed", reason, **({"traceback": tb} if tb else {}))
 
     def on_checkpoint(self, note: CheckpointReport) -> None:
         """Rank 0's note about a persistent checkpoint."""

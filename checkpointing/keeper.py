@@ -11,8 +11,10 @@
 A keeper is `keeper-<node>` in namespace "unbroken", num_cpus=0, pinned to its node by Ray's node
 affinity (the node's id, from Ray itself: no resource for a user to add), and threaded (max_concurrency > 1) so reads, commits and
 reports run while a large shard is being received. Shards are keyed (job_id, generation, step, rank)
-and stored as numpy arrays COPIED into the keeper's own heap: an object received from a worker
-belongs to that worker and would die with it (NOTES.md), a copy outlives it.
+and stored as numpy arrays in the keeper's own heap, so they outlive the worker that sent them.
+Workers stream their shards straight into that memory over a TCP connection the keeper opens on its
+node (`stream_address`, checkpointing.shard_stream), not through Ray's object store; `put_shard`
+takes one through Ray (tools, tests).
 
 Retention per job, applied at every commit: the last two committed snapshots stay; older committed
 ones and uncommitted ones older than the newest commit are freed. "Older" orders by
@@ -32,6 +34,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,6 +119,7 @@ class Keeper:
         # take as long as the copy itself. Pooled bytes count against the limit, and are dropped first.
         self._pool: dict[int, list[np.ndarray]] = {}
         self.pool_bytes = 0
+        self._stream: Any = None  # checkpointing.shard_stream.ShardStreamServer, once asked for
 
     @property
     def used(self) -> int:
@@ -130,22 +134,53 @@ class Keeper:
                 self._gauge.set(float(nbytes), tags={"node": self.node})
 
     # ------------------------------------------------------------------ writing
+    def stream_address(self) -> tuple[str, int, str]:
+        """(host, port, token) of this keeper's shard stream (checkpointing.shard_stream), started on
+        first use on the node's address: workers stream their snapshots there, not through Ray."""
+        with self._lock:
+            if self._stream is None:
+                from checkpointing.shard_stream import ShardStreamServer
+
+                host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+                self._stream = ShardStreamServer(self.receive_shard, host)
+            return (*self._stream.address, self._stream.token)
+
+    def receive_shard(
+        self, header: dict[str, Any], layout: bytes, extras: bytes, fill: Callable[[np.ndarray], None]
+    ) -> dict[str, Any]:
+        """Store one shard from the stream: `fill(blob)` reads its bytes into the blob kept."""
+        return self._store(header["job_id"], header["generation"], header["step"], header["rank"],
+                           header["world_size"], layout, extras, header["blob"], fill)  # fmt: skip
+
     def put_shard(
         self, job_id: str, generation: int, step: int, rank: int, world_size: int,
         layout: bytes, extras: bytes, data: np.ndarray | list[np.ndarray],
         offsets: list[int] | None = None, total: int | None = None,
     ) -> dict[str, Any]:  # fmt: skip
-        """Store one rank's shard (a copy): `data` is the laid-out blob, or its pieces (uint8 arrays)
-        to place at `offsets` in a blob of `total` bytes. Returns {"node", "nbytes", "used_bytes"}."""
-        key = (job_id, int(generation), int(step), int(rank))
+        """Store one rank's shard (a copy) sent through Ray: `data` is the laid-out blob, or its pieces
+        (uint8 arrays) to place at `offsets` in a blob of `total` bytes. Returns {"node", "nbytes",
+        "used_bytes"}. Workers stream instead (stream_address); this is for tools and tests."""
         if offsets is None:
             assert isinstance(data, np.ndarray)
             pieces, offsets, blob_bytes = [data], [0], int(data.nbytes)
         else:
             assert isinstance(data, list) and total is not None and len(data) == len(offsets)
             pieces, blob_bytes = data, int(total)
-        # The copy happens outside the lock (it can take a while); the reservation inside it.
-        size = blob_bytes + len(layout) + len(extras)
+
+        def fill(blob: np.ndarray) -> None:
+            for piece, off in zip(pieces, offsets, strict=True):
+                flat = piece.reshape(-1).view(np.uint8)
+                blob[off : off + flat.nbytes] = flat
+
+        return self._store(job_id, generation, step, rank, world_size, layout, extras, blob_bytes, fill)
+
+    def _store(
+        self, job_id: str, generation: int, step: int, rank: int, world_size: int,
+        layout: bytes, extras: bytes, blob_bytes: int, fill: Callable[[np.ndarray], None],
+    ) -> dict[str, Any]:  # fmt: skip
+        """Reserve room (or refuse: fence, memory), let `fill` write the blob outside the lock, keep it."""
+        key = (job_id, int(generation), int(step), int(rank))
+        size = int(blob_bytes) + len(layout) + len(extras)
         with self._lock:
             fence = self._fence.get(job_id, -1)
             if generation < fence:
@@ -165,13 +200,11 @@ class Keeper:
                     f"snapshots are in flight, or shard the state over more ranks/nodes)"
                 )
             self.used += size  # reserve before copying (a replaced old copy is released at the swap)
-            blob = self._take(blob_bytes)
+            blob = self._take(int(blob_bytes))
         try:
             if blob is None:
-                blob = np.empty(blob_bytes, dtype=np.uint8)
-            for piece, off in zip(pieces, offsets, strict=True):
-                flat = piece.reshape(-1).view(np.uint8)
-                blob[off : off + flat.nbytes] = flat
+                blob = np.empty(int(blob_bytes), dtype=np.uint8)
+            fill(blob)
             shard = _Shard(blob, layout, extras, int(world_size), time.time())
         except BaseException:
             with self._lock:

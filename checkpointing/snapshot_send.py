@@ -9,17 +9,20 @@
 The training thread only hands the state over (and, on CUDA, records an event after the optimizer
 step). With `optimizer`, a copier thread does the rest while the next forward/backward runs (they
 read parameters and optimizer state, never write them): flatten the state, plan the layout (once),
-pickle the few non-tensor values, and copy the tensors. On CPU the copy is a put straight into the
-object store (one memcpy per tensor). On CUDA the copies go to one of two pinned host buffers on a
-side stream that first waits for the recorded event; the copier records a second event after them.
-The optimizer's step pre-hook is the only place training waits: on CPU until the copy is done, on
-CUDA until the copies are enqueued, and then the compute stream waits for them on the GPU.
-Without `optimizer` the copy is made (CPU) or enqueued (CUDA) inside `snapshot()`.
+pickle the few non-tensor values, and copy the tensors into one of two reused host buffers (pinned on
+CUDA, where the copies run on a side stream that first waits for the recorded event, and the copier
+records a second event after them). The optimizer's step pre-hook is the only place training waits:
+on CPU until the copy is done, on CUDA until the copies are enqueued, and then the compute stream
+waits for them on the GPU. Without `optimizer` the copy is made (CPU) or enqueued (CUDA) inside
+`snapshot()`.
 
-One sender thread then (CUDA: after the copies completed, one put of the pinned buffer, which is then
-free again) asks two keepers to keep a copy: the one on this rank's node and the next node's in sorted
-order (one copy only when there is one node; said once in the log). No collectives: each rank plans
-its own shard (checkpointing.memory_storage); resharding happens at restore.
+One sender thread then (CUDA: after the copies completed) streams the buffer to two keepers over
+connections it keeps open (checkpointing.shard_stream: one socket copy into the keeper's own memory,
+no object store), and the buffer is free again: the one on this rank's node and the next node's in
+sorted order (one copy only when there is one node; said once in the log). A keeper that died gets
+its copy re-sent to the keeper started again under its name, else to the next one in the ring. No
+collectives: each rank plans its own shard (checkpointing.memory_storage); resharding happens at
+restore.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from checkpointing.memory_storage import (
     slot_views,
 )
 from checkpointing.naming import NAMESPACE, keeper_name
+from checkpointing.shard_stream import KeeperRefused, ShardStream, StreamBroken
 from checkpointing.snapshot_restore import short_error
 
 log = logging.getLogger("unbroken.snapshot")
@@ -101,10 +105,10 @@ class SnapshotHandle:
 
 
 class _HostBuffer:
-    """A pinned host buffer for the CUDA path, with a typed view per tensor slot."""
+    """A host buffer (pinned for CUDA copies) with a typed view per tensor slot."""
 
-    def __init__(self, layout: ShardLayout) -> None:
-        self.data = torch.empty(max(layout.total_bytes, 1), dtype=torch.uint8, pin_memory=True)
+    def __init__(self, layout: ShardLayout, *, pin: bool) -> None:
+        self.data = torch.empty(max(layout.total_bytes, 1), dtype=torch.uint8, pin_memory=pin)
         self.views = slot_views(self.data, layout)
         self.free = threading.Event()
         self.free.set()
@@ -112,25 +116,23 @@ class _HostBuffer:
 
 @dataclass
 class _Staged:
-    """One snapshot's shard once copied (CPU: in the object store) or enqueued (CUDA: to a pinned buffer)."""
+    """One snapshot's shard once copied (CPU) or enqueued (CUDA) into a host buffer."""
 
     layout: ShardLayout
     layout_bytes: bytes
     extras: bytes
-    ref: ray.ObjectRef | None = None  # CPU: every tensor's bytes, one object
-    buffer: _HostBuffer | None = None  # CUDA: the pinned buffer being filled
+    buffer: _HostBuffer
     done: Any = None  # CUDA: torch.cuda.Event recorded after the copies
 
 
-def _bytes_view(t: torch.Tensor) -> Any:
-    """A uint8 numpy view of a CPU tensor's data (a copy only if it is not contiguous)."""
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+@dataclass
+class _Frame:
+    """What one keeper is sent for one snapshot (the same for both)."""
 
-
-def _put_views(sources: list[torch.Tensor]) -> ray.ObjectRef:
-    """One object holding every tensor's bytes: Ray copies each straight into the object store
-    (one memcpy in all, versus a host-buffer copy and then a put)."""
-    return ray.put([_bytes_view(t) for t in sources])
+    header: dict[str, Any]
+    layout: bytes
+    extras: bytes
+    blob: memoryview
 
 
 def _ready_event(state: dict[str, Any]) -> Any:
@@ -174,7 +176,8 @@ class SnapshotClient:
             )
         self._layout: ShardLayout | None = None
         self._layout_bytes = b""
-        self._buffers: list[_HostBuffer] = []  # CUDA only, made on first use
+        self._buffers: list[_HostBuffer] = []  # made on first use, again when the layout changes
+        self._conns: dict[str, tuple[ActorHandle, ShardStream]] = {}  # node -> its keeper's open stream
         self._next = 0
         self._streams: dict[Any, Any] = {}  # device -> side torch.cuda.Stream
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"snapshot-r{rank}")
@@ -250,24 +253,29 @@ class SnapshotClient:
             self._buffers = []
         layout = self._layout
         sources = [resolve(flat, layout.items[s.item]) for s in layout.slots]
-        staged = _Staged(layout, self._layout_bytes, pack_extras(flat, layout))
+        extras = pack_extras(flat, layout)
         cuda = [t for t in sources if t.device.type == "cuda"]
-        if cuda:
-            staged.buffer, staged.done = self._copy_cuda(sources, layout, ready, cuda[0].device)
-        else:
-            staged.ref = _put_views(sources)
-        return staged
+        buf = self._free_buffer(layout, pin=bool(cuda))
+        if not cuda:
+            for dst, src in zip(buf.views, sources, strict=True):
+                dst.copy_(src)
+            return _Staged(layout, self._layout_bytes, extras, buf)
+        return _Staged(layout, self._layout_bytes, extras, buf, self._copy_cuda(buf, sources, ready, cuda[0].device))
 
-    def _copy_cuda(self, sources: list[torch.Tensor], layout: ShardLayout, ready: Any,
-                   device: torch.device) -> tuple[_HostBuffer, Any]:  # fmt: skip
-        """Enqueue the device-to-host copies into a free pinned buffer on a side stream (after `ready`)."""
+    def _free_buffer(self, layout: ShardLayout, *, pin: bool) -> _HostBuffer:
+        """The next of the two host buffers, once the sender is done with it (s+1 is copied while s is sent)."""
         if not self._buffers:
-            self._buffers = [_HostBuffer(layout) for _ in range(2)]  # s+1 copies while s is sent
+            self._buffers = [_HostBuffer(layout, pin=pin) for _ in range(2)]
         buf = self._buffers[self._next]
         self._next = (self._next + 1) % len(self._buffers)
         if not buf.free.wait(self.timeout_s):  # the sender is done with it (or was stopped: give up)
-            raise TimeoutError(f"no pinned snapshot buffer came free within {self.timeout_s:.0f}s")
+            raise TimeoutError(f"no snapshot buffer came free within {self.timeout_s:.0f}s")
         buf.free.clear()
+        return buf
+
+    def _copy_cuda(self, buf: _HostBuffer, sources: list[torch.Tensor], ready: Any, device: torch.device) -> Any:
+        """Enqueue the device-to-host copies into the pinned buffer on a side stream (after `ready`);
+        returns the event recorded after them."""
         with torch.cuda.device(device):  # the copier thread's current device is not the trainer's
             stream = self._streams.get(device)
             if stream is None:
@@ -279,50 +287,45 @@ class SnapshotClient:
                     dst.copy_(src, non_blocking=src.is_cuda)  # CPU entries (e.g. RNG state) copy at once
                     if src.is_cuda:
                         src.record_stream(stream)  # not reused by the allocator before the copy ran
-            done = stream.record_event()
-        return buf, done
+            return stream.record_event()
 
     # ------------------------------------------------------------------ the background part
     def _send(self, copy: Future[_Staged], step: int, generation: int, blocking: float) -> SnapshotResult:
         t0 = time.perf_counter()
         res = SnapshotResult(step, generation, self.rank, ok=False, blocking_s=blocking)
-        offsets: list[int] | None = None
         try:
             staged = copy.result()
-            if staged.buffer is not None:  # CUDA: wait for the copies, then one put of the laid-out buffer
-                try:
-                    staged.done.synchronize()
-                    ref = ray.put(staged.buffer.data.numpy())
-                finally:
-                    staged.buffer.free.set()
-            else:
-                assert staged.ref is not None
-                ref, staged.ref = staged.ref, None
-                offsets = [s.offset for s in staged.layout.slots]
         except BaseException as e:
             res.errors["local"] = f"{type(e).__name__}: {e}"
             log.error("snapshot step %d rank %d: %s", step, self.rank, res.errors["local"])
             return res
-        total = staged.layout.total_bytes
-        res.nbytes = total + len(staged.extras) + len(staged.layout_bytes)
-        args = (self.job_id, generation, step, self.rank, self.world_size, staged.layout_bytes, staged.extras,
-                ref, offsets, total)  # fmt: skip
-        calls = {node: self.keepers[node].put_shard.remote(*args) for node in self.targets}
-        dead: list[str] = []
-        for node, call in calls.items():
-            try:
-                ray.get(call, timeout=self.timeout_s)
-                res.acked.append(node)
-            except Exception as e:  # noqa: BLE001 - reported in the result, never raised into training
-                res.errors[node] = short_error(e)
-                if isinstance(e, RayActorError):
-                    dead.append(node)
-        for node in dead:  # a keeper died between re-forms: the copy goes elsewhere, never left single
-            took = self._resend(node, args, res)
-            if took is not None:
-                res.errors.pop(node)
-                res.acked.append(took)
-        del ref, args
+        try:
+            if staged.done is not None:  # CUDA: the copies must have landed before the bytes leave
+                staged.done.synchronize()
+            total = staged.layout.total_bytes
+            header = {"job_id": self.job_id, "generation": generation, "step": step, "rank": self.rank,
+                      "world_size": self.world_size}  # fmt: skip
+            frame = _Frame(header, staged.layout_bytes, staged.extras,
+                           memoryview(staged.buffer.data.numpy()).cast("B")[:total])  # fmt: skip
+            res.nbytes = total + len(staged.extras) + len(staged.layout_bytes)
+            dead: list[str] = []
+            for node in self.targets:
+                try:
+                    self._deliver(node, self.keepers[node], frame)
+                    res.acked.append(node)
+                except KeeperRefused as e:
+                    res.errors[node] = f"{e.kind}: {e}"  # the keeper's own error, as it named it
+                except Exception as e:  # noqa: BLE001 - reported in the result, never raised into training
+                    res.errors[node] = short_error(e)
+                    if isinstance(e, RayActorError):
+                        dead.append(node)
+            for node in dead:  # a keeper died between re-forms: the copy goes elsewhere, never left single
+                took = self._resend(node, frame, res)
+                if took is not None:
+                    res.errors.pop(node)
+                    res.acked.append(took)
+        finally:
+            staged.buffer.free.set()
         res.ok = not res.errors
         res.send_s = time.perf_counter() - t0
         if not res.ok:
@@ -330,7 +333,28 @@ class SnapshotClient:
         self.last_result = res
         return res
 
-    def _resend(self, node: str, args: tuple[Any, ...], res: SnapshotResult) -> str | None:
+    def _deliver(self, node: str, handle: ActorHandle, frame: _Frame) -> None:
+        """Stream one copy to `handle` (the keeper on `node`): over the open connection, else a new one
+        (asking the keeper its address through Ray, which raises RayActorError if it is dead); a
+        connection that broke is tried once more anew. KeeperRefused: the keeper said no (memory, fence)."""
+        for attempt in range(2):
+            held = self._conns.get(node)
+            if held is None or held[0] != handle:
+                if held is not None:
+                    held[1].close()
+                host, port, token = ray.get(handle.stream_address.remote(), timeout=self.timeout_s)
+                held = self._conns[node] = (handle, ShardStream((host, port), token, self.timeout_s))
+            try:
+                held[1].send(frame.header, frame.layout, frame.extras, frame.blob)
+                return
+            except StreamBroken:
+                self._conns.pop(node, None)
+                if attempt:
+                    raise
+            except KeeperRefused:
+                raise
+
+    def _resend(self, node: str, frame: _Frame, res: SnapshotResult) -> str | None:
         """The copy meant for `node`'s dead keeper: to the keeper started again there (the supervisor
         restarts a keeper whose node lives; found by name), else to the next node's in ring order that
         holds no copy yet. Returns the node that took it, or None (the error stays in `res`)."""
@@ -345,7 +369,7 @@ class SnapshotClient:
                   if n not in res.acked and n not in self.targets]  # fmt: skip
         for target, handle in tries:
             try:
-                ray.get(handle.put_shard.remote(*args), timeout=self.timeout_s)
+                self._deliver(target, handle, frame)
             except Exception:  # noqa: BLE001 - the next one, else the first error stands
                 continue
             if target == node:
@@ -357,6 +381,11 @@ class SnapshotClient:
             return target
         return None
 
+    def _close_streams(self) -> None:
+        for _handle, stream in self._conns.values():
+            stream.close()
+        self._conns.clear()
+
     def abandon(self) -> None:
         """After a failure: remove the optimizer hook and stop the threads without waiting (a copy or
         send in flight finishes or fails on its own; its snapshot simply never gets committed)."""
@@ -367,6 +396,7 @@ class SnapshotClient:
         if self._copier is not None:
             self._copier.shutdown(wait=False, cancel_futures=True)
         self._sender.shutdown(wait=False, cancel_futures=True)
+        self._close_streams()  # a send in flight fails on its own: its snapshot is never committed
 
     def close(self) -> None:
         """Wait for the snapshots in flight, stop the threads, remove the optimizer hook."""
@@ -378,3 +408,4 @@ class SnapshotClient:
         if self._copier is not None:
             self._copier.shutdown(wait=True)
         self._sender.shutdown(wait=True)
+        self._close_streams()

@@ -40,6 +40,7 @@ from parallel.dims import ParallelDims
 from parallel.ep import apply_ep, apply_expert_fsdp, expert_fsdp_mesh
 from parallel.evaluate import eval_due, evaluate, perplexity
 from parallel.fsdp import apply_fsdp, needs_sync_toggle
+from parallel.live_state import LiveStateDict
 from parallel.loss import loss_context, token_loss_sum
 from parallel.metrics import device_peak_flops, flops_per_token, mfu, peak_memory_bytes
 from parallel.model import build_model, init_weights
@@ -94,6 +95,7 @@ class Trainer:
             aux_scale = cfg.model.moe.aux_loss_coef * self.dims.fsdp_size / t.global_batch_size
             set_aux_scale(self.model, aux_scale)
         self.optimizer = build_optimizer(self.model, t, self.device)
+        self._live_state = LiveStateDict()
         self.scheduler = build_scheduler(self.optimizer, t)
         if cfg.data.document_mask and self.dims.cp_enabled and cfg.parallelism.cp_impl == "builtin":
             raise ValueError("data.document_mask: parallelism.cp_impl=builtin (torch's context_parallel) cannot keep "
@@ -261,10 +263,9 @@ class Trainer:
 
     # --- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The whole train state: sharded (DTensor) model and optimizer, DCP-savable and reshardable."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        """The whole train state: sharded (DTensor) model and optimizer, DCP-savable and reshardable.
+        Its tensors are the live ones (parallel.live_state keeps their mapping between calls)."""
+        model_sd, optim_sd = self._live_state.get(self.model, self.optimizer)
         return {
             "model": model_sd,
             "optim": optim_sd,
@@ -282,6 +283,7 @@ class Trainer:
         set_state_dict(
             self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
         )
+        self._live_state.drop()
         self.step = int(state["step"])
         set_scheduler_step(self.scheduler, int(state.get("scheduler", {}).get("last_epoch", self.step)))
         rng = state.get("rng", {})

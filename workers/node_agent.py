@@ -89,6 +89,7 @@ class _Pending:
     steps: dict[int, dict[str, tuple[float, float]]] = field(default_factory=dict)
     acks: dict[tuple[int, int], list[int]] = field(default_factory=dict)
     ack_world: dict[tuple[int, int], int] = field(default_factory=dict)
+    ack_held: dict[tuple[int, int], dict[int, list[str]]] = field(default_factory=dict)
     ack_failures: int = 0
     lost: list[RankLost] = field(default_factory=list)
     lost_nodes: dict[str, float] = field(default_factory=dict)
@@ -186,6 +187,7 @@ class NodeAggregator:
             if note.ok:
                 p.acks.setdefault(key, []).append(note.rank)
                 p.ack_world[key] = note.world_size
+                p.ack_held.setdefault(key, {})[note.rank] = list(note.acked)
             else:
                 p.ack_failures += 1
                 p.notes.append(note)  # rare: the supervisor counts it and keeps its errors
@@ -211,6 +213,7 @@ class NodeAggregator:
         for key, ranks in b.acks.items():
             p.acks.setdefault(key, []).extend(ranks)
             p.ack_world[key] = b.ack_world[key]
+            p.ack_held.setdefault(key, {}).update(b.ack_held.get(key, {}))
         p.ack_failures += b.ack_failures
         p.max_step = max(p.max_step, b.max_step)
         p.max_step_time_s = max(p.max_step_time_s, b.max_step_time_s)
@@ -301,6 +304,7 @@ class NodeAggregator:
         members = {self.node: now, **self.members} if self.members else {}
         return NodeBatch(self.name, self.generation, -1, now, node=self.node, seq=self.seq, max_step=p.max_step,
                          max_step_time_s=p.max_step_time_s, steps=p.steps, acks=p.acks, ack_world=p.ack_world,
+                         ack_held=p.ack_held,
                          ack_failures=p.ack_failures, beats=beats, lost=p.lost, notes=p.notes, rank_logs=p.logs,
                          members=members, lost_nodes=p.lost_nodes, ranks=self.answers_for() or 0)
 

@@ -142,7 +142,8 @@ class NodeBatch(Note):
 
     `steps`: step -> worker -> (gap_s, step_time_s) of the steps its ranks completed since the last
     batch (what the straggler policy needs); `acks`: (generation, step) -> ranks whose snapshot shard
-    the keepers hold, `ack_world` their world size, `ack_failures` ranks whose snapshot failed;
+    the keepers hold, `ack_world` their world size, `ack_held` the nodes holding each rank's copies (the
+    supervisor commits on them without asking the keepers), `ack_failures` ranks whose snapshot failed;
     `beats`: worker -> when the agent last heard from it (the heartbeat-age gauge); `notes`: Formed,
     CheckpointReport, FaultNote, failed acks and rank 0's metrics heartbeat, relayed unchanged (rare);
     `rank_logs`: the ranks' output lines with their source (`rank <r>`).
@@ -155,6 +156,7 @@ class NodeBatch(Note):
     steps: dict[int, dict[str, tuple[float, float]]] = field(default_factory=dict)
     acks: dict[tuple[int, int], list[int]] = field(default_factory=dict)
     ack_world: dict[tuple[int, int], int] = field(default_factory=dict)
+    ack_held: dict[tuple[int, int], dict[int, list[str]]] = field(default_factory=dict)
     ack_failures: int = 0
     beats: dict[str, float] = field(default_factory=dict)
     lost: list[RankLost] = field(default_factory=list)

@@ -113,7 +113,8 @@ class Supervisor:
                 case CheckpointReport():
                     self.reporter.on_checkpoint(note)
                 case SnapshotAck():
-                    self.committer.on_ack(note.generation, note.step, note.rank, note.world_size, note.ok)
+                    self.committer.on_ack(note.generation, note.step, note.rank, note.world_size, note.ok,
+                                          note.acked)
                 case Heartbeat(last=last) if last is not None and note.generation == run.generation:
                     rep = run.step_reports.setdefault(note.step, {"gap": {}, "time": {}})
                     rep["gap"][note.worker] = last.gap_s

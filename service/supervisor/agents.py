@@ -52,7 +52,7 @@ class Suspect:
 @dataclass
 class AgentTracker:
     run: JobRun
-    on_ack: Callable[[int, int, int, int, bool], None]  # the committer's (generation, step, rank, world, ok)
+    on_ack: Callable[..., None]  # the committer's (generation, step, rank, world, ok, acked nodes)
     relay: Callable[[Note], None]  # the actor's inbox, for the rare notes a batch carries unchanged
     add_logs: Callable[[str, list[Any]], None] | None = None  # the reporter's (source, [(t, stream, line)])
     event: Callable[..., None] | None = None  # the reporter's: a node lost as its group's leader saw it
@@ -144,8 +144,9 @@ class AgentTracker:
             self.lost.extend(x for x in b.lost if x.generation == run.generation)
         for (gen, step), ranks in b.acks.items():
             world = b.ack_world[(gen, step)]
+            held = b.ack_held.get((gen, step), {})
             for r in ranks:
-                self.on_ack(gen, step, r, world, True)
+                self.on_ack(gen, step, r, world, True, held.get(r))
         for note in b.notes:
             self.relay(note)
 

@@ -31,7 +31,8 @@ class SnapshotCommitter:
         self.run = run
         self.reporter = reporter
         self.keepers: dict[str, Any] = {}
-        self._acks: dict[tuple[int, int], dict[str, Any]] = {}  # (generation, step) -> world, ranks
+        # (generation, step) -> {"world", "ranks": set, "held": {rank: nodes whose keeper acked its copy}}
+        self._acks: dict[tuple[int, int], dict[str, Any]] = {}
         self.committed: tuple[int, int] | None = None  # the newest committed snapshot (generation, step)
         self.ever_committed = False
         self.snapshot_errors = 0
@@ -41,14 +42,17 @@ class SnapshotCommitter:
         self._restarting: dict[str, Any] = {}  # node -> keeper handle started again, once it answered
         self._restart_threads: dict[str, threading.Thread] = {}
 
-    def on_ack(self, generation: int, step: int, rank: int, world_size: int, ok: bool) -> None:
-        """A rank's snapshot note (called under the run's lock)."""
+    def on_ack(self, generation: int, step: int, rank: int, world_size: int, ok: bool,
+               acked: list[str] | None = None) -> None:  # fmt: skip
+        """A rank's snapshot note (called under the run's lock); `acked`: the nodes holding its copies."""
         if not ok:
             self.snapshot_errors += 1
             return
         key = (generation, step)
         if self.committed is None or key > self.committed:
-            self._acks.setdefault(key, {"world": world_size, "ranks": set()})["ranks"].add(rank)
+            entry = self._acks.setdefault(key, {"world": world_size, "ranks": set(), "held": {}})
+            entry["ranks"].add(rank)
+            entry["held"][rank] = list(acked or [])
 
     def ensure_keepers(self, slots: list[Any]) -> None:
         """A keeper on every node the job uses (kept for nodes it used before, while they live).
@@ -171,7 +175,8 @@ class SnapshotCommitter:
 
         for key in ready:
             try:
-                ok = commit_snapshot(self.keepers, self.run.job_id, key[0], key[1], self._acks[key]["world"])
+                ok = (self._commit_by_acks(key)
+                      or commit_snapshot(self.keepers, self.run.job_id, key[0], key[1], self._acks[key]["world"]))
             except Exception as e:  # noqa: BLE001 - an uncommitted snapshot only costs steps
                 log.warning("commit of snapshot %s failed: %s", key, e)
                 ok = False
@@ -182,6 +187,28 @@ class SnapshotCommitter:
                     for k in [k for k in self._acks if k <= key]:
                         self._acks.pop(k)
                 return
+
+    def _commit_by_acks(self, key: tuple[int, int]) -> bool:
+        """Commit in one round when the ranks' acks already show every shard on enough live keepers (the
+        common case, every step): the keepers that hold a copy are told, no one is asked first. False
+        (nothing changed, or a keeper failed the commit): the caller asks the keepers what they hold."""
+        import ray
+
+        from checkpointing.keeper import required_copies
+
+        acks = self._acks[key]
+        live = dict(self.keepers)
+        need = required_copies(live)
+        held = acks["held"]
+        if any(len({n for n in held.get(r, ()) if n in live}) < need for r in range(acks["world"])):
+            return False
+        nodes = sorted({n for nodes in held.values() for n in nodes if n in live})
+        try:
+            ray.get([live[n].commit.remote(self.run.job_id, key[0], key[1]) for n in nodes], timeout=30)
+        except Exception as e:  # noqa: BLE001 - a keeper died since its ack: ask them all
+            log.info("commit of snapshot %s by its acks failed (%s); asking the keepers", key, e)
+            return False
+        return True
 
     def restore_target(self) -> dict[str, Any]:
         """The committed snapshot a new generation restores ({"step": None, ...} when there is none).

@@ -5,6 +5,11 @@ A 4-worker job on two nodes loses a worker: it recovers from the keepers' memory
 event's source), loses no step, and its losses equal one process's on the same data (batch
 invariance). A second job submitted with the same spec gets a folder of its own and starts at step 1,
 and `unbroken logs -f` shows its workers' output while it runs.
+
+On the cluster the KubeRay manifests start, the job is three whole replicas (HSDP 3 x 1) with one hot
+spare: the spare takes the killed rank's place (dp stays 3), the survivors train on in the same
+processes and model objects (`in_place_ranks`), one reads the keepers and the other replicas heal from
+it (`source` keepers + peer).
 """
 
 from __future__ import annotations
@@ -26,36 +31,43 @@ STEPS = 12
 KILL_STEP = 5
 
 
-def job_spec(name: str, chaos: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def job_spec(name: str, chaos: list[dict[str, Any]] | None = None, *, spare: bool = False) -> dict[str, Any]:
+    """FSDP over 2..4 workers; with `spare`, three replicas (HSDP 3 x 1) and one hot spare."""
+    par: dict[str, Any] = {"dp_replicate": 3, "dp_shard": 1} if spare else {"dp_shard": -1}
+    dp = {"min": 3, "max": 3} if spare else {"min": 2, "max": 4}
     return {
         "name": name,
         "model": {"dim": 32, "n_layers": 1, "n_heads": 2, "vocab_size": 256, "max_seq_len": 32},
         "data": {"kind": "text", "path": DATA},
-        "training": {"steps": STEPS, "seq_len": 16, "global_batch_size": 8},
-        "parallelism": {"dp_shard": -1},
-        "resources": {"cpus_per_worker": 1, "dp": {"min": 2, "max": 4}},
+        "training": {"steps": STEPS, "seq_len": 16, "global_batch_size": 12 if spare else 8},
+        "parallelism": par,
+        "resources": {"cpus_per_worker": 1, "dp": dp, "spares": 1 if spare else 0},
         "checkpoint": {"in_memory_every": 1, "persist_every": 0},
         "fault_tolerance": {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 20, "collective_timeout_s": 20},
         "chaos": chaos or [],
     }
 
 
-def reference_losses(tmp: Path) -> list[float]:
-    """One process, no Ray, same spec: the trajectory every layout and every dp degree must follow."""
+def reference_losses(tmp: Path, *, spare: bool = False) -> list[float]:
+    """One process, no Ray, same model, data and batch: the trajectory every layout and every dp degree
+    must follow."""
     from service.spec import parse_spec
     from tests.runtime.jobs import engine_of
     from workers.launcher import run_local
 
-    res = run_local(engine_of(parse_spec(job_spec("ref"))), 1, tmp / "ref", show_progress=False)
+    spec = job_spec("ref", spare=spare)
+    spec.update(parallelism={"dp_shard": -1}, resources={"cpus_per_worker": 1, "dp": {"min": 1, "max": 1}})
+    res = run_local(engine_of(parse_spec(spec)), 1, tmp / "ref", show_progress=False)
     return [json.loads(x)["loss"] for x in Path(res.metrics_path).read_text().splitlines()]
 
 
-def _run_user_path(tmp: Path, cluster: RayStartCluster, *, second_job: bool) -> None:
+def _run_user_path(tmp: Path, cluster: RayStartCluster, *, second_job: bool, spare: bool = False) -> None:
     serve = Serve(tmp / "home", address=cluster.address, env=cluster.env)
     try:
         serve.wait_ready()
         client = serve.client()
-        job = client.submit(job_spec("killed", [{"kind": "kill_worker", "step": KILL_STEP, "rank": 1}]))
+        kill = [{"kind": "kill_worker", "step": KILL_STEP, "rank": 1}]
+        job = client.submit(job_spec("killed", kill, spare=spare))
         done = client.wait(job.id, timeout=420)
         assert done.status == "SUCCEEDED", done
         events = list(client.events(job.id, follow=False))
@@ -65,17 +77,22 @@ def _run_user_path(tmp: Path, cluster: RayStartCluster, *, second_job: bool) -> 
         recovered = [e for e in events if e.kind == "recovered"]
         assert len(recovered) == 1, kinds
         data = recovered[0].data or {}
-        assert data["source"] == ["keepers"], recovered[0].message
         assert data["lost_steps"] == 0, recovered[0].message
         assert "from memory" in recovered[0].message and "None" not in recovered[0].message
+        if spare:
+            _check_spare_swap(events, data)
+        else:
+            assert data["source"] == ["keepers"], recovered[0].message
         # Two nodes hold copies: no one-copy warning; every event is a sentence, no raw dicts or None.
         assert "warning" not in kinds, [e.message for e in events if e.kind == "warning"]
         for e in events:
             assert "{'" not in e.message and "node None" not in e.message, e.message
         rows = client.metrics(job.id)
         assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-        ref = reference_losses(tmp)
+        ref = reference_losses(tmp, spare=spare)
         assert [r["loss"] for r in rows] == pytest.approx(ref, abs=1e-4)
+        if spare:  # the spare kept dp at 3 throughout
+            assert {r["dp"] for r in rows} == {3}, [r["dp"] for r in rows]
 
         # REST as curl sends it: the same job, its events and metrics.
         headers = {"Authorization": f"Bearer {client.token}"}
@@ -107,6 +124,18 @@ def _run_user_path(tmp: Path, cluster: RayStartCluster, *, second_job: bool) -> 
         serve.stop()
 
 
+def _check_spare_swap(events: list[Any], data: dict[str, Any]) -> None:
+    """The spare took rank 1's place at dp 3; ranks 0 and 2 trained on in their processes and model
+    objects (the supervisor compares pid and model id across the generations); rank 0 read the keepers,
+    the spare healed from a live replica."""
+    kinds = [e.kind for e in events]
+    assert "resized" not in kinds and kinds.count("spare_swapped") == 1, kinds
+    assert data["in_place_ranks"] == [0, 2], data
+    assert data["source"] == ["keepers", "peer"], data
+    spares = [e.data for e in events if e.kind == "spares" and e.data]
+    assert spares and spares[0]["spares"] == 1, spares
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_serve_on_ray_start_cluster_recovers_from_keepers(tmp_path: Path) -> None:
@@ -121,15 +150,16 @@ def test_serve_on_ray_start_cluster_recovers_from_keepers(tmp_path: Path) -> Non
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_serve_on_kuberay_manifest_cluster_recovers_from_keepers(tmp_path: Path) -> None:
+def test_serve_on_kuberay_manifest_cluster_swaps_in_a_hot_spare(tmp_path: Path) -> None:
     """Head and two cpu-group "pods" as processes, each `ray start` with the manifest's rayStartParams
-    (KubeRay adds --num-cpus from the container's limits; here 2 per pod)."""
+    (KubeRay adds --num-cpus from the container's limits; here 2 per pod). The job: three replicas
+    and one hot spare on the pods' four CPUs."""
     head, cpu = manifest_start_params()
     cluster = RayStartCluster(head=head)
     try:
         cluster.add_node("pod-a", num_cpus=2, params=cpu)
         cluster.add_node("pod-b", num_cpus=2, params=cpu)
         cluster.wait_nodes(3)
-        _run_user_path(tmp_path, cluster, second_job=False)
+        _run_user_path(tmp_path, cluster, second_job=False, spare=True)
     finally:
         cluster.stop()

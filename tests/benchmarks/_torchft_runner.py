@@ -242,11 +242,12 @@ def _outcome(tmp: Path, fired: list[str]) -> Any:
             committed.setdefault(e["step"], []).append(e)
     steps = [(s, min(e["time"] for e in es), sum(e["loss"] for e in es) / len(es))
              for s, es in sorted(committed.items())]
+    widths = [(len(es), 0) for _, es in sorted(committed.items())]  # replicas that committed each step
     # A step attempt thrown away (its quorum broke) costs one step on every replica: count attempts
     # of the replica that made the most of them.
     lost = max((sum(1 for e in entries if e["replica"] == r and not e["committed"]) for r in range(WORLD)),
                default=0)
-    return Outcome(steps[-1][1] - steps[0][1], steps, lost, fired)
+    return Outcome(steps[-1][1] - steps[0][1], steps, lost, fired, widths=widths)
 
 
 def _run_once(tmp: Path, faults: list[Any], timeout_s: float) -> tuple[Any, int]:

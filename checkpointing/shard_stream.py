@@ -117,7 +117,10 @@ class ShardStreamServer:
         threading.Thread(target=self._accept, name="shard-stream-accept", daemon=True).start()
 
     def close(self) -> None:
+        """Stop listening (connections already open end with their workers)."""
         self._closed = True
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accept thread (close alone leaves it listening)
         with contextlib.suppress(OSError):
             self._sock.close()
 

@@ -256,11 +256,16 @@ class SnapshotClient:
         extras = pack_extras(flat, layout)
         cuda = [t for t in sources if t.device.type == "cuda"]
         buf = self._free_buffer(layout, pin=bool(cuda))
-        if not cuda:
-            for dst, src in zip(buf.views, sources, strict=True):
-                dst.copy_(src)
-            return _Staged(layout, self._layout_bytes, extras, buf)
-        return _Staged(layout, self._layout_bytes, extras, buf, self._copy_cuda(buf, sources, ready, cuda[0].device))
+        try:
+            if not cuda:
+                for dst, src in zip(buf.views, sources, strict=True):
+                    dst.copy_(src)
+                return _Staged(layout, self._layout_bytes, extras, buf)
+            done = self._copy_cuda(buf, sources, ready, cuda[0].device)
+        except BaseException:
+            buf.free.set()  # the sender never gets this one: free it here, or the next copy waits for it
+            raise
+        return _Staged(layout, self._layout_bytes, extras, buf, done)
 
     def _free_buffer(self, layout: ShardLayout, *, pin: bool) -> _HostBuffer:
         """The next of the two host buffers, once the sender is done with it (s+1 is copied while s is sent)."""

@@ -323,8 +323,11 @@ class Reporter:
                       and before.get(w) == (m.restored.get("pid"), m.restored.get("model_id")))
         detect_s = rec.t_detect - rec.t_fault if rec.t_fault else None
         reform_s = max(0.0, t_formed - rec.t_detect - restore_s)
-        replay_s = max(0.0, now - t_formed)
-        total = now - (rec.t_fault or rec.t_detect)
+        # The recovery ends when rank 0 completed the step (the row's end_time, as the fault's time, a
+        # worker's clock), not when its note reached us: the relay's latency is not training lost.
+        done = min(now, float(row.get("end_time") or now))
+        replay_s = max(0.0, done - t_formed)
+        total = done - (rec.t_fault or rec.t_detect)
         lost = max(0, rec.last_step - restored)
         if self._tb is not None:
             with contextlib.suppress(Exception):

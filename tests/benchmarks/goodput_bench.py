@@ -255,8 +255,12 @@ def run_ours(tmp: Path, cluster: Any, faults: list[Fault], spares: int = 0) -> O
         _ensure_node_b(cluster)
     if st["state"] != "SUCCEEDED":
         tb = next((e["data"].get("traceback") or "" for e in run.events if e["kind"] == "failed"), "")
-        raise RuntimeError(f"unbroken job ended {st['state']}: {st.get('reason')}; events "
-                           f"{[e['kind'] for e in run.events]}; supervisor traceback: {tb[-1500:]}")
+        kinds = Counter(e["kind"] for e in run.events)
+        kept = Path(tempfile.gettempdir()) / f"goodput-{run.job_id}-events.json"  # outlives the run's folder
+        kept.write_text(json.dumps(run.events, default=str, indent=1))
+        raise RuntimeError(f"(its events: {kept}) "
+                           f"unbroken job ended {st['state']}: {st.get('reason')}; supervisor traceback: "
+                           f"{tb[-1500:]}; events by kind: {dict(kinds)}")
     rows = run.rows()
     steps = [(int(r["step"]), float(r["end_time"]), float(r["loss"])) for r in rows]
     lost = sum(int(e["data"].get("lost_steps") or 0) for e in run.of("recovered"))

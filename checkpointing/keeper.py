@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 import ray
 from ray.actor import ActorHandle
+from ray.exceptions import RayActorError
 
 # The names live in checkpointing.naming (CONTROL_RESOURCE is re-exported for older importers).
 from checkpointing.naming import CONTROL_RESOURCE, NAMESPACE, NODE_RESOURCE_PREFIX, keeper_name  # noqa: F401
@@ -368,7 +369,8 @@ def ensure_keepers(
 
     Names are those of `current_node_name()`. An existing keeper keeps the memory limit it was created
     with. A node that is not alive (or unknown to Ray) raises ValueError; one whose keeper does not
-    answer within timeout_s raises TimeoutError.
+    answer within timeout_s raises TimeoutError; one whose keeper died as it started (its node went
+    meanwhile) raises KeepersNotStarted (a ValueError) with the keepers that did start.
     """
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -391,8 +393,25 @@ def ensure_keepers(
     if pending:
         late = [n for n, r in refs.items() if r in pending]
         raise TimeoutError(f"keepers on nodes {late} did not start within {timeout_s:.0f}s: are those nodes alive?")
-    ray.get(ready)
+    died: dict[str, str] = {}
+    for node, ref in refs.items():
+        try:
+            ray.get(ref)
+        except RayActorError as e:  # its node died as the keeper started (a node lost and back meanwhile)
+            died[node] = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+    if died:
+        raise KeepersNotStarted(
+            f"the keepers on nodes {sorted(died)} died as they started ({next(iter(died.values()))}): "
+            "are those nodes alive?", {n: h for n, h in handles.items() if n not in died})
     return handles
+
+
+class KeepersNotStarted(ValueError):
+    """Some keepers died as they started; `started` holds the others, which answered."""
+
+    def __init__(self, message: str, started: dict[str, ActorHandle]) -> None:
+        super().__init__(message)
+        self.started = started
 
 
 def find_keepers() -> dict[str, ActorHandle]:

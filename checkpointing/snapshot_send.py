@@ -352,12 +352,10 @@ class SnapshotClient:
             try:
                 held[1].send(frame.header, frame.layout, frame.extras, frame.blob)
                 return
-            except StreamBroken:
+            except StreamBroken:  # (a KeeperRefused is the keeper's answer: it goes up as it is)
                 self._conns.pop(node, None)
                 if attempt:
                     raise
-            except KeeperRefused:
-                raise
 
     def _resend(self, node: str, frame: _Frame, res: SnapshotResult) -> str | None:
         """The copy meant for `node`'s dead keeper: to the keeper started again there (the supervisor

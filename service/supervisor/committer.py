@@ -62,7 +62,7 @@ class SnapshotCommitter:
         spec = self.run.spec
         if not spec.checkpoint.in_memory_every:
             return
-        from checkpointing.keeper import ensure_keepers
+        from checkpointing.keeper import KeepersNotStarted, ensure_keepers
         from checkpointing.nodes import node_ids_by_name
 
         alive = node_ids_by_name()
@@ -76,6 +76,9 @@ class SnapshotCommitter:
             try:
                 self.keepers.update(ensure_keepers(missing, memory_limit_mb=spec.checkpoint.keeper_memory_limit_mb))
             except (TimeoutError, ValueError) as e:
+                if isinstance(e, KeepersNotStarted):
+                    self.keepers.update(e.started)
+                    missing = sorted(set(missing) - set(e.started))
                 self.reporter.event("keepers_missing", f"in-memory snapshots: no keeper on node(s) "
                                     f"{', '.join(missing)} ({e}); their ranks' snapshots go to the other nodes' "
                                     "keepers", nodes=missing)

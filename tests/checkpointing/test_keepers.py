@@ -1,7 +1,7 @@
 """The in-memory tier on a real 2-node LocalCluster ("head" + "b"), 4 ranks as Ray actors (2 a node).
 
 One cluster, one set of actors, phases in order (one test: start-up dominates the cost):
-  keepers alone   memory limit refusal (clear error), fencing of an old generation, drop_job back to 0;
+  keepers alone   a keeper that dies as it starts is named (KeepersNotStarted); memory limit refusal (clear error), fencing of an old generation, drop_job back to 0;
                   3 throwaway keepers: restore reads a live copy of each shard, SnapshotLost naming the
                   rank once both copies of its shard are gone; a dead keeper's copies go to the next
                   keeper in the ring, and back to a keeper started again under its name
@@ -28,6 +28,7 @@ import torch
 from checkpointing.keeper import (
     NAMESPACE,
     Keeper,
+    KeepersNotStarted,
     commit_snapshot,
     drop_job,
     ensure_keepers,
@@ -160,6 +161,11 @@ def test_keepers_snapshot_reshard_node_loss_fallback(tmp_path: Path) -> None:
     with LocalCluster(head_cpus=2, fast_failure_detection=False) as cluster:
         cluster.add_node("b", num_cpus=2)
         cluster.connect()
+        # A keeper that dies as it starts (here: its creation refuses the limit) is named, with the
+        # keepers that did start, not raised as Ray's own error (a supervisor would die of that).
+        with pytest.raises(KeepersNotStarted, match=r"nodes \['b'\] died as they started.*memory_limit_mb") as e:
+            ensure_keepers(["b"], memory_limit_mb=0)
+        assert e.value.started == {}
         keepers = ensure_keepers(["head", "b"], memory_limit_mb=LIMIT_MB)
         actor_cls = ray.remote(RankActor)
         actors = [

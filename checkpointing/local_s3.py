@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import IO
+from typing import IO, Any
 
 from pydantic import SecretStr
 
@@ -158,12 +158,28 @@ class LocalS3Server:
                 )
             try:
                 client.list_buckets()  # authenticated: proves it is our server, not a neighbour's
+                self._probe_read(client)
                 return
             except Exception as e:  # not up yet
                 last = e
                 time.sleep(0.3)
         self.stop()
         raise RuntimeError(f"SeaweedFS not ready after {timeout_s}s ({type(last).__name__}); see weed.log")
+
+    @staticmethod
+    def _probe_read(client: Any) -> None:
+        """Started again over kept data, the server lists buckets before its volumes are loaded (reads
+        then fail with a 500 InternalError): ready means one stored object reads back too."""
+        for bucket in client.list_buckets().get("Buckets", []):
+            found = client.list_objects_v2(Bucket=bucket["Name"], MaxKeys=1).get("Contents", [])
+            if not found:
+                continue
+            try:
+                client.get_object(Bucket=bucket["Name"], Key=found[0]["Key"], Range="bytes=0-0")["Body"].read()
+            except Exception as e:  # an empty object has no byte 0: it was served all the same
+                if getattr(e, "response", {}).get("Error", {}).get("Code") != "InvalidRange":
+                    raise
+            return
 
     def kill(self) -> None:
         """SIGKILL (a crash): nothing is flushed or shut down cleanly."""

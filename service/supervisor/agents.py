@@ -285,7 +285,6 @@ def confirm_silent(tracker: AgentTracker, silent: list[tuple[str, float]]) -> li
     import ray
     from ray.exceptions import ActorUnavailableError
 
-    from checkpointing.nodes import node_name_of
 
     if not silent and not tracker.suspects:
         return []
@@ -311,8 +310,19 @@ def confirm_silent(tracker: AgentTracker, silent: list[tuple[str, float]]) -> li
             pings[n] = "pending"
         except Exception:  # noqa: BLE001 - the actor died (with its node, or alone)
             pings[n] = "died"
+    dead = _dead_nodes(tracker, now) if silent else tracker._node_table[1]
+    return tracker.judge(silent, now, pings, dead)
+
+
+def _dead_nodes(tracker: AgentTracker, now: float) -> set[str]:
+    """The names Ray's node table lists as dead (and not also alive), read at most every
+    NODE_TABLE_EVERY_S; empty when the GCS does not answer."""
+    import ray
+
+    from checkpointing.nodes import node_name_of
+
     when, dead = tracker._node_table
-    if silent and now - when >= NODE_TABLE_EVERY_S:
+    if now - when >= NODE_TABLE_EVERY_S:
         try:
             table = ray.nodes()
             alive = {node_name_of(x) for x in table if x.get("Alive")}
@@ -320,4 +330,13 @@ def confirm_silent(tracker: AgentTracker, silent: list[tuple[str, float]]) -> li
         except Exception:  # noqa: BLE001 - the GCS busy: judge on the pings alone
             dead = set()
         tracker._node_table = (now, dead)
-    return tracker.judge(silent, now, pings, dead)
+    return dead
+
+
+def dead_in_ray(tracker: AgentTracker, now: float) -> list[tuple[str, float]]:
+    """(node, last heard) of the generation's nodes that Ray's node table already lists as dead. After a
+    broken collective that names no culprit, a lost node need not first stay silent for timeout_s: Ray's
+    health check knows in about 1.4 s (NOTES.md), the agents' silence only after the heartbeat timeout."""
+    dead = _dead_nodes(tracker, now)
+    with tracker.run.lock:
+        return [(n, tracker.seen[n]) for n in sorted(dead) if n in tracker.seen]

@@ -378,7 +378,7 @@ class Controller:
         if (failure.kind != FailureKind.COLLECTIVE_ERROR or failure.slots or agents is None
                 or not self.gens.agents_on):
             return failure
-        from service.supervisor.agents import confirm_silent
+        from service.supervisor.agents import confirm_silent, dead_in_ray
 
         running = [s for s in self.pool.active_slots() if s.result is None and s.dead is None]
         if not running:
@@ -387,7 +387,9 @@ class Controller:
         while time.monotonic() < deadline:
             self.run.check_cancel()
             now = time.time()
-            found = self.gens.detector.from_agents(agents.take_lost(), confirm_silent(agents, agents.silent(now)),
+            silent = agents.silent(now)
+            silent += [x for x in dead_in_ray(agents, now) if x[0] not in {n for n, _ in silent}]
+            found = self.gens.detector.from_agents(agents.take_lost(), confirm_silent(agents, silent),
                                                    running, now)
             if found is not None:
                 found.detail = f"{found.detail} Its peers saw a broken collective first: {failure.detail}"

@@ -56,7 +56,7 @@ def keeper_peak_bytes(bytes_per_node: dict[str, int], in_flight: int = 1) -> dic
 def ring_memory(keepers: dict[str, Any], bytes_per_node: dict[str, int] | None = None) -> dict[str, dict[str, Any]]:
     """Each live keeper's memory: {node: {"used_bytes", "limit_bytes", "need_bytes" (the ring's peak, when
     bytes_per_node is given), "fits"}}."""
-    from checkpointing.keeper import memory_reports
+    from checkpointing.keepers import memory_reports
 
     need = keeper_peak_bytes(bytes_per_node) if bytes_per_node else {}
     out: dict[str, dict[str, Any]] = {}

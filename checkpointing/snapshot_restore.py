@@ -25,7 +25,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from ray.actor import ActorHandle
 
-from checkpointing.keeper import SnapshotId, snapshot_holders
+from checkpointing.keeper import SnapshotId
+from checkpointing.keepers import snapshot_holders
 from checkpointing.memory_storage import KeeperReader, ShardLayout, build_metadata
 
 log = logging.getLogger("unbroken.snapshot")

@@ -62,7 +62,7 @@ class SnapshotCommitter:
         spec = self.run.spec
         if not spec.checkpoint.in_memory_every:
             return
-        from checkpointing.keeper import KeepersNotStarted, ensure_keepers
+        from checkpointing.keepers import KeepersNotStarted, ensure_keepers
         from checkpointing.nodes import node_ids_by_name
 
         alive = node_ids_by_name()
@@ -98,7 +98,7 @@ class SnapshotCommitter:
         again below; its snapshots are gone, the other copies hold them."""
         if not self.keepers:
             return
-        from checkpointing.keeper import alive_keepers
+        from checkpointing.keepers import alive_keepers
 
         answering = alive_keepers(self.keepers, timeout_s=5.0)
         for name in sorted(set(self.keepers) - set(answering)):
@@ -154,7 +154,7 @@ class SnapshotCommitter:
         limit = self.run.spec.checkpoint.keeper_memory_limit_mb
 
         def start() -> None:
-            from checkpointing.keeper import ensure_keepers
+            from checkpointing.keepers import ensure_keepers
 
             try:
                 self._restarting.update(ensure_keepers([name], memory_limit_mb=limit, timeout_s=_KEEPER_START_S))
@@ -174,15 +174,19 @@ class SnapshotCommitter:
                            reverse=True)
         if not ready or not self.keepers:
             return
-        from checkpointing.keeper import commit_snapshot
+        from checkpointing.keepers import commit_snapshot
 
         for key in ready:
-            try:
-                ok = (self._commit_by_acks(key)
-                      or commit_snapshot(self.keepers, self.run.job_id, key[0], key[1], self._acks[key]["world"]))
-            except Exception as e:  # noqa: BLE001 - an uncommitted snapshot only costs steps
-                log.warning("commit of snapshot %s failed: %s", key, e)
-                ok = False
+            acks = self._acks[key]
+            ok = False
+            for held_by in (acks["held"], None):  # by the acks (one round); failing that, ask the keepers
+                try:
+                    ok = commit_snapshot(self.keepers, self.run.job_id, key[0], key[1], acks["world"],
+                                         held_by=held_by)
+                except Exception as e:  # noqa: BLE001 - an uncommitted snapshot only costs steps
+                    log.warning("commit of snapshot %s failed: %s", key, e)
+                if ok:
+                    break
             if ok:
                 with self.run.lock:
                     self.committed = key
@@ -190,28 +194,6 @@ class SnapshotCommitter:
                     for k in [k for k in self._acks if k <= key]:
                         self._acks.pop(k)
                 return
-
-    def _commit_by_acks(self, key: tuple[int, int]) -> bool:
-        """Commit in one round when the ranks' acks already show every shard on enough live keepers (the
-        common case, every step): the keepers that hold a copy are told, no one is asked first. False
-        (nothing changed, or a keeper failed the commit): the caller asks the keepers what they hold."""
-        import ray
-
-        from checkpointing.keeper import required_copies
-
-        acks = self._acks[key]
-        live = dict(self.keepers)
-        need = required_copies(live)
-        held = acks["held"]
-        if any(len({n for n in held.get(r, ()) if n in live}) < need for r in range(acks["world"])):
-            return False
-        nodes = sorted({n for nodes in held.values() for n in nodes if n in live})
-        try:
-            ray.get([live[n].commit.remote(self.run.job_id, key[0], key[1]) for n in nodes], timeout=30)
-        except Exception as e:  # noqa: BLE001 - a keeper died since its ack: ask them all
-            log.info("commit of snapshot %s by its acks failed (%s); asking the keepers", key, e)
-            return False
-        return True
 
     def restore_target(self) -> dict[str, Any]:
         """The committed snapshot a new generation restores ({"step": None, ...} when there is none).
@@ -252,7 +234,7 @@ class SnapshotCommitter:
         metrics row written (so a restore never skips a step whose row was lost). Else the keepers' newest
         committed one. After our own restart the rows are those of metrics.jsonl (and those the adopted
         workers gave back), so the steps the crashed instance's commit still trailed are not lost."""
-        from checkpointing.keeper import commit_snapshot, snapshot_holders
+        from checkpointing.keepers import commit_snapshot, snapshot_holders
 
         holders, world, committed, _ = snapshot_holders(self.keepers, self.run.job_id)
         newest = committed[-1] if committed else None
@@ -299,7 +281,7 @@ class SnapshotCommitter:
                 self._acks.pop(k)
         if not self.keepers:
             return
-        from checkpointing.keeper import fence_job
+        from checkpointing.keepers import fence_job
 
         try:
             fence_job(self.keepers, self.run.job_id, generation)
@@ -312,7 +294,7 @@ class SnapshotCommitter:
         Not only the keepers this instance knows: a node written off (its agent fell silent, or Ray said
         it was gone) may live on with its keeper, and an instance that restarted never knew the keepers of
         nodes the job had left. Either would keep the job's shards until the keeper dies."""
-        from checkpointing.keeper import drop_job, find_keepers, memory_reports
+        from checkpointing.keepers import drop_job, find_keepers, memory_reports
 
         keepers = dict(self.keepers)
         try:

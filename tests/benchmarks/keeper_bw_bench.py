@@ -18,7 +18,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 import numpy as np  # noqa: E402
 import ray  # noqa: E402
 
-from checkpointing.keeper import ensure_keepers, kill_keepers  # noqa: E402
+from checkpointing.keepers import ensure_keepers, kill_keepers  # noqa: E402
 from service.local_cluster import LocalCluster  # noqa: E402
 
 

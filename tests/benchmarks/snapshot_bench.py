@@ -35,7 +35,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 from checkpointing.config import CheckpointConfig  # noqa: E402
-from checkpointing.keeper import commit_snapshot, ensure_keepers, kill_keepers, memory_reports  # noqa: E402
+from checkpointing.keepers import commit_snapshot, ensure_keepers, kill_keepers, memory_reports  # noqa: E402
 from checkpointing.local_s3 import LocalS3Server  # noqa: E402
 from checkpointing.persistent import CheckpointManager  # noqa: E402
 from checkpointing.snapshot import SnapshotClient, SnapshotResult, restore_from_keepers  # noqa: E402

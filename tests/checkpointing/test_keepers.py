@@ -25,15 +25,13 @@ import pytest
 import ray
 import torch
 
-from checkpointing.keeper import (
-    NAMESPACE,
-    Keeper,
+from checkpointing.keeper import NAMESPACE, Keeper, keeper_name
+from checkpointing.keepers import (
     KeepersNotStarted,
     commit_snapshot,
     drop_job,
     ensure_keepers,
     fence_job,
-    keeper_name,
     kill_keepers,
     latest_committed,
     memory_reports,

@@ -45,7 +45,7 @@ def _full(state: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def keepers() -> Iterator[dict[str, Any]]:
-    from checkpointing.keeper import ensure_keepers, kill_keepers
+    from checkpointing.keepers import ensure_keepers, kill_keepers
     from service.local_cluster import LocalCluster
 
     with LocalCluster(head_cpus=2) as cluster:
@@ -65,7 +65,7 @@ def test_gpu_losses_match_cpu() -> None:
 
 
 def test_overlapped_cuda_snapshot_is_the_state_of_its_step(keepers: dict[str, Any]) -> None:
-    from checkpointing.keeper import commit_snapshot
+    from checkpointing.keepers import commit_snapshot
     from checkpointing.snapshot import SnapshotClient, restore_from_keepers
 
     tr = _trainer("cuda")

@@ -131,7 +131,7 @@ def test_a_jobs_end_frees_its_shards_on_keepers_its_supervisor_does_not_know(hea
     import numpy as np
     import ray
 
-    from checkpointing.keeper import ensure_keepers
+    from checkpointing.keepers import ensure_keepers
     from checkpointing.nodes import current_node_name
     from service.spec import JobSpec
     from service.supervisor.committer import SnapshotCommitter

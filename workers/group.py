@@ -28,6 +28,12 @@ shared key (docs/scale.md; in one process on 2 cores, where the relays' Python s
 tree measured slower end to end than flat). What torch does through the store is unchanged and is
 still O(ranks) per rank for gloo: its full mesh has every rank read every rank's address, which the
 relay serves from its node's cache (docs/scale.md measures it).
+
+A rendezvous can be aborted (`abort_rendezvous`, from the worker's abort): a rank lost while its
+generation forms would otherwise hold every other rank in the arrival barrier until the timeout.
+Each process writes ABORTED into the release keys of the stores it hosts (rank 0's master, a
+leader's relay), through a connection of its own (a TCPStore client serialises its calls, and the
+rank's own is blocked in the wait); a waiter that wakes to that value leaves with RendezvousAborted.
 """
 
 from __future__ import annotations
@@ -85,6 +91,58 @@ def open_master_store(host: str, world_size: int, timeout_s: float) -> dist.TCPS
     return pdist.make_store(host, 0, world_size, is_master=True, timeout_s=timeout_s)
 
 
+# ===================================================================== aborting a forming generation
+ABORTED = b"aborted"  # a release key's value when the generation was aborted before it formed
+
+
+class RendezvousAborted(RuntimeError):
+    """The generation was aborted while its ranks were still arriving (one of them was lost)."""
+
+
+_abort_lock = threading.Lock()
+_aborted_upto = -1  # this process was told to abort every generation up to this one
+_hosted: dict[int, list[tuple[str, int, list[str]]]] = {}  # generation -> (host, port, release keys) hosted here
+
+
+def _host(generation: int, host: str, port: int, keys: list[str]) -> None:
+    with _abort_lock:
+        _hosted.setdefault(generation, []).append((host, port, keys))
+    if aborted(generation):  # the abort came while this store was being opened
+        abort_rendezvous(generation)
+
+
+def _unhost(generation: int) -> None:
+    with _abort_lock:
+        _hosted.pop(generation, None)
+
+
+def aborted(generation: int) -> bool:
+    """Whether this process was told to abort `generation` (see `abort_rendezvous`)."""
+    return _aborted_upto >= generation
+
+
+def abort_rendezvous(generation: int) -> None:
+    """Release every rank waiting in a rendezvous of a generation up to `generation` on a store this
+    process hosts: they see ABORTED and leave now rather than at the timeout."""
+    global _aborted_upto
+    with _abort_lock:
+        _aborted_upto = max(_aborted_upto, generation)
+        stores = [x for g, xs in _hosted.items() if g <= generation for x in xs]
+    for host, port, keys in stores:
+        try:
+            client = pdist.make_store(host, port, 1, is_master=False, timeout_s=2.0)
+            for key in keys:
+                client.set(key, ABORTED)
+        except Exception as e:  # noqa: BLE001 - the store is gone already: its waiters failed with it
+            log.info("could not release the rendezvous on %s:%d: %s", host, port, e)
+
+
+def _released(store: dist.Store, key: str, generation: int, rank: int) -> None:
+    """After a wait on `key` returned: leave if it was an abort's release, not the barrier's."""
+    if aborted(generation) or store.get(key) == ABORTED:
+        raise RendezvousAborted(f"generation {generation} was aborted while rank {rank} was joining it")
+
+
 # ===================================================================== the two-level rendezvous
 # A node's leader says where its relay listens in a file on the node's own disk, named after the
 # generation's master (a fresh port every generation) and the leader's rank: no store operation is
@@ -125,6 +183,7 @@ def rendezvous(
     rank leads: it opens the node's relay, waits for its node's ranks, checks them in with the master
     as one, and releases them when every node has. The other ranks connect only to their leader.
     Without it (or alone on the node), every rank checks in with the master itself (flat)."""
+    _released_or_raise(generation, rank)  # aborted before it began
     deadline = time.monotonic() + timeout_s
     arrived, go = f"rdv/gen{generation}/arrived", f"rdv/gen{generation}/go"
     local = sorted(set(local_ranks)) if local_ranks else [rank]
@@ -133,42 +192,67 @@ def rendezvous(
     leader = local[0]
     ident = relay_id(host, port, generation, leader)
     if rank != leader:  # check in with the leader, wait for its release
-        local_store = connect_to_leader(ident, deadline, timeout_s)
+        try:
+            local_store = connect_to_leader(ident, deadline, timeout_s, stop=lambda: aborted(generation))
+        except TimeoutError:
+            _released_or_raise(generation, rank)
+            raise
         if local_store.add("rdv/in", 1) == len(local) - 1:
             local_store.set("rdv/all-in", b"1")
         try:
             local_store.wait(["rdv/go"], timedelta(seconds=max(0.0, deadline - time.monotonic())))
         except Exception as e:
+            _released_or_raise(generation, rank)
             raise TimeoutError(f"generation {generation}: rank {rank} was not released by its node's leader "
                                f"(rank {leader}) within {timeout_s:g}s: not every rank arrived") from e
+        _released(local_store, "rdv/go", generation, rank)
         relay_store = RelayStore(local_store, timeout_s)
         return _Rendezvous(relay_store, local=local_store)
     master = master_store if master_store is not None else pdist.make_store(
         host, port, world_size, is_master=False, timeout_s=timeout_s)
+    if master_store is not None:
+        _host(generation, host, port, [go])
     relay = NodeRelay(host, port, ident, timeout_s) if len(local) > 1 else None
+    if relay is not None:
+        _host(generation, "127.0.0.1", relay.port, ["rdv/all-in", "rdv/go"])
     try:
         if relay is not None:
             try:
                 relay.server.wait(["rdv/all-in"], timedelta(seconds=max(0.0, deadline - time.monotonic())))
             except Exception as e:
+                _released_or_raise(generation, rank)
                 came = relay.server.add("rdv/in", 0) + 1
                 raise TimeoutError(f"generation {generation}: {came} of this node's {len(local)} ranks {local} "
                                    f"arrived within {timeout_s:g}s") from e
+            _released(relay.server, "rdv/all-in", generation, rank)
         if master.add(arrived, len(local)) == world_size:
             master.set(go, b"1")
         try:
             master.wait([go], timedelta(seconds=max(0.0, deadline - time.monotonic())))
         except Exception as e:
+            _released_or_raise(generation, rank)
             raise TimeoutError(f"generation {generation}: {master.add(arrived, 0)} of {world_size} ranks "
                                f"arrived within {timeout_s:g}s") from e
+        _released(master, go, generation, rank)
         if relay is not None:
             relay.server.set("rdv/go", b"1")
             relay.unpublish()  # every rank of the node is connected: nobody else needs its port
     except BaseException:
         if relay is not None:
+            if aborted(generation):
+                with contextlib.suppress(Exception):  # the node's ranks leave now, not at their timeout
+                    relay.server.set("rdv/go", ABORTED)
             relay.close()
         raise
+    finally:
+        _unhost(generation)
     return _Rendezvous(master, relay=relay)
+
+
+def _released_or_raise(generation: int, rank: int) -> None:
+    """A wait failed: an abort told to this process explains it (its store may be gone)."""
+    if aborted(generation):
+        raise RendezvousAborted(f"generation {generation} was aborted while rank {rank} was joining it")
 
 
 def join_group(

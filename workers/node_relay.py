@@ -50,10 +50,12 @@ def _prune_port_files(older_than_s: float = 3600.0) -> None:
                 f.unlink()
 
 
-def _poll_until(ready: Callable[[], bool], deadline: float, what: str) -> None:
+def _poll_until(ready: Callable[[], bool], deadline: float, what: str,
+                stop: Callable[[], bool] | None = None) -> None:
+    """Until `ready()`; TimeoutError past `deadline`, or at once when `stop()` says to give up."""
     pause = _POLL_S
     while not ready():
-        if time.monotonic() > deadline:
+        if time.monotonic() > deadline or (stop is not None and stop()):
             raise TimeoutError(what)
         time.sleep(pause)
         pause = min(_POLL_MAX_S, pause * 2)
@@ -251,11 +253,13 @@ class RelayStore(dist.Store):
         return clone
 
 
-def connect_to_leader(ident: str, deadline: float, timeout_s: float) -> dist.Store:
-    """The local store of this node's leader's relay, found through its port file."""
+def connect_to_leader(ident: str, deadline: float, timeout_s: float,
+                      stop: Callable[[], bool] | None = None) -> dist.Store:
+    """The local store of this node's leader's relay, found through its port file (TimeoutError past
+    `deadline`, or once `stop()` is true)."""
     path = _port_file(ident)
     while True:
-        _poll_until(path.exists, deadline, f"the node leader's relay ({ident}) did not start in time")
+        _poll_until(path.exists, deadline, f"the node leader's relay ({ident}) did not start in time", stop)
         try:
             # The whole time left: a burst of connects to a fresh TCPStore can stall for seconds (measured
             # here: 5-10 s at 32+ at once), and a stale file is rare (ports are fresh every generation).

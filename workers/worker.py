@@ -197,7 +197,9 @@ class Worker:
     def abort(self, generation: int) -> None:
         """Stop training in every generation up to `generation` at the next step boundary."""
         self._abort_gen = max(self._abort_gen, generation)
-        from workers.group import abort_if_stuck
+        from workers.group import abort_if_stuck, abort_rendezvous
+
+        abort_rendezvous(generation)  # ranks still arriving leave now (one of them was lost)
 
         # NCCL: a rank blocked in a collective with a dead peer never reaches that boundary.
         abort_if_stuck(lambda: self.phase != "training" or self.generation > generation, grace_s=2.0)
@@ -274,7 +276,13 @@ class Worker:
         With `agent` (this node's, workers.node_agent), notes go to it, not to the supervisor."""
         import torch
 
-        from workers.group import join_group, leave_group, sever_new_connections, socket_fds
+        from workers.group import (
+            RendezvousAborted,
+            join_group,
+            leave_group,
+            sever_new_connections,
+            socket_fds,
+        )
 
         sockets_before = socket_fds()  # what is not in here when we fail belongs to the group
         place = (world_size, rank, dp)
@@ -324,6 +332,9 @@ class Worker:
                              timings=timings))
             end = train(trainer, self.cfg, rank, self.opts.output_dir, _WorkerHooks(self, trainer, tiers, generation))
             result = RunResult(end.status, self.name, generation, rank, end.step, final=end.final)
+        except RendezvousAborted as e:  # the generation was called off while it formed: no failure of ours
+            log.info("%s", e)
+            result = RunResult(RunStatus.ABORTED, self.name, generation, rank, self.step)
         except BaseException as e:  # noqa: BLE001 - reported to the supervisor, the process lives on
             if isinstance(e, KeyboardInterrupt | SystemExit):
                 raise

@@ -314,6 +314,7 @@ class Controller:
                 pool.drop(rep, "lost a member")
             else:
                 rep.state = ReplicaState.READY
+        self.gens.drop_spares_on_lost_nodes(failure)
         spares_before = [r.index for r in pool.in_state(ReplicaState.READY) if r.index not in {a.index for a in active}]
         dp = self._choose_dp()
         if dp is None:

@@ -28,6 +28,7 @@ from workers.protocol import Heartbeat, RunResult, RunStatus
 _POLL_S = 0.05
 # How long a broken collective waits for the failure of a rank's own that broke it (see settle).
 _ROOT_CAUSE_GRACE_S = 3.0
+_NODE_TABLE_S = 0.5  # while stopping, Ray's node table is read this often (only while ranks are pending)
 
 
 class GenerationEnd(Enum):
@@ -334,6 +335,29 @@ class Generations:
                     self.pool.drop(rep, "silent spare")
                     break
 
+    def drop_spares_on_lost_nodes(self, failure: Failure) -> None:
+        """Before a recovery picks its members: spares on a node that is gone (the failure's own, when a
+        node was lost, and any Ray's node table lists as dead) are dropped. Their heartbeats would say so
+        only after heartbeat_timeout_s; a generation launched with one would fail again at once, and its
+        other ranks would wait in the rendezvous for it."""
+        spares = self.pool.in_state(ReplicaState.READY)  # (the survivors are READY too by now: none is on it)
+        if not spares:
+            return
+        gone = {(s.info or {}).get("node_id") for s in failure.slots} if failure.kind == FailureKind.NODE_DIED else set()
+        from checkpointing.nodes import node_ids_by_name
+
+        try:
+            alive: set[str] | None = set(node_ids_by_name().values())
+        except Exception:  # noqa: BLE001 - the GCS busy: the failure's own node only
+            alive = None
+        for rep in spares:
+            node = rep.node
+            if node is not None and (node in gone or (alive is not None and node not in alive)):
+                self.reporter.event("spare_lost", f"Spare replica {rep.index} (node {rep.node_name or '?'}) was "
+                                    "lost with its node: dropped; another is asked for.", replica=rep.index,
+                                    node=rep.node_name)
+                self.pool.drop(rep, "its node was lost")
+
     def tell_swap(self, joined: list[Replica], lost: list[int], old_dp: int, dp: int) -> None:
         """The `spare_swapped` event: warm spares that took the place of lost replicas in the generation
         just launched (the job's dp held, or shrank less than it would have without them)."""
@@ -402,26 +426,52 @@ class Generations:
             self.pool.write_off(s, "failed")
         self._to_ranks([s for s in slots if s.dead is None], "abort", self.run.generation)
         deadline = time.monotonic() + self.timeout_s() + 10.0
+        unavailable: set[str] = set()  # slots whose run call ended "unavailable": its ref says no more
+        nodes_read = 0.0
         while time.monotonic() < deadline:
             pending = [s for s in slots if s.result is None and s.dead is None]
             if not pending:
                 break
-            done, _ = ray.wait([s.run_ref for s in pending], num_returns=len(pending), timeout=0.2)
-            for s in pending:
+            waiting = [s for s in pending if s.name not in unavailable]
+            done = set(ray.wait([s.run_ref for s in waiting], num_returns=len(waiting), timeout=0.2)[0]
+                       if waiting else time.sleep(0.2) or ())
+            for s in waiting:
                 if s.run_ref in done:
                     try:
                         s.result = ray.get(s.run_ref)
                     except ActorUnavailableError:
                         s.suspect_since = s.suspect_since or time.monotonic()
+                        unavailable.add(s.name)
                     except (ActorDiedError, RayActorError) as e:
                         s.result = RunResult(RunStatus.DEAD, s.name, self.run.generation, s.rank, 0,
                                              error=str(e))
                         s.dead = "died"
+            if time.monotonic() - nodes_read >= _NODE_TABLE_S:
+                # A rank on a lost node answers nothing (or "unavailable", which its ref keeps saying): Ray's
+                # node table says it is gone about 1.4 s after the node, not after this wait's deadline.
+                nodes_read = time.monotonic()
+                self._write_off_on_lost_nodes([s for s in pending if s.result is None and s.dead is None])
         for s in slots:
             if s.result is None and s.dead is None:
                 s.dead = "could not leave its group in time"
                 with contextlib.suppress(Exception):
                     ray.kill(s.handle, no_restart=True)
+
+    def _write_off_on_lost_nodes(self, slots: list[Slot]) -> None:
+        if not slots:
+            return
+        from checkpointing.nodes import node_ids_by_name
+
+        try:
+            alive = set(node_ids_by_name().values())
+        except Exception:  # noqa: BLE001 - the GCS busy: the deadline still bounds the wait
+            return
+        for s in slots:
+            node = (s.info or {}).get("node_id")
+            if node is not None and node not in alive:
+                s.result = RunResult(RunStatus.DEAD, s.name, self.run.generation, s.rank, 0,
+                                     error="lost with its node")
+                s.dead = "lost with its node"
 
     def stop_all(self) -> None:
         """At a cancel: every active worker stops at its next step boundary (waited for briefly)."""

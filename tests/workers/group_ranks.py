@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import pickle
+import threading
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -92,6 +94,18 @@ def reform(rank: int, world: int, ports: list[int], out: str) -> None:
                 result["gen3"] = "joined"
             except Exception as e:  # noqa: BLE001 - the expected failure, reported to the test
                 result["gen3"] = f"{type(e).__name__}: {e}"
+            # Generation 4: rank 3 never comes, and the abort (the supervisor's, after it lost rank 3)
+            # reaches ranks 0 and 1 only. Each releases what it hosts (0 the master, 1 its relay); rank 2
+            # leaves on the value its leader wrote, well before the 60 s timeout.
+            if rank in (0, 1):
+                threading.Timer(1.0, group.abort_rendezvous, args=(4,)).start()
+            t0 = time.monotonic()
+            try:
+                _join(4, rank, world, ports[4], LAYOUT, timeout_s=60)
+                result["gen4"] = "joined"
+            except Exception as e:  # noqa: BLE001 - the expected way out, reported to the test
+                result["gen4"] = f"{type(e).__name__}: {e}"
+            result["gen4_s"] = time.monotonic() - t0
         group.leave_group()
         result["port_files"] = sorted(p.name for p in node_relay.RENDEZVOUS_DIR.glob(f"*_{ports[0]}_*"))
     except BaseException:  # noqa: BLE001 - reported to the test

@@ -14,7 +14,7 @@ from tests.workers import group_ranks
 
 def test_two_level_rendezvous_forms_reforms_and_names_the_missing() -> None:
     world = 4
-    ports = [free_port() for _ in range(4)]
+    ports = [free_port() for _ in range(5)]
     with tempfile.TemporaryDirectory() as out:
         mp.start_processes(group_ranks.reform, args=(world, ports, out), nprocs=world, join=True,
                            start_method="spawn")
@@ -45,5 +45,10 @@ def test_two_level_rendezvous_forms_reforms_and_names_the_missing() -> None:
     assert "TimeoutError: generation 3: 1 of 4 ranks arrived" in res[0]["gen3"], res[0]["gen3"]
     assert "TimeoutError: generation 3: 2 of this node's 3 ranks [1, 2, 3] arrived" in res[1]["gen3"], res[1]["gen3"]
     assert "TimeoutError: generation 3: rank 2 was not released by its node's leader (rank 1)" in res[2]["gen3"]
+    # Generation 4 was aborted while rank 3 was missing: every rank left with RendezvousAborted, not
+    # at the timeout (60 s); rank 2 was told by its leader's relay, not by an abort of its own.
+    assert all(x["gen4"].startswith("RendezvousAborted: generation 4 was aborted") for x in res[:3]), \
+        [x["gen4"] for x in res[:3]]
+    assert all(x["gen4_s"] < 30 for x in res[:3]), [x["gen4_s"] for x in res[:3]]
     # Leaving removes the relay's port file.
     assert all(x["port_files"] == [] for x in res)

@@ -9,9 +9,12 @@ touched, and nothing is left behind when the cluster shuts down.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import tempfile
+from pathlib import Path
 from typing import Any
 
 # Keep every Ray address on the loopback interface (Ray's single-machine mode, as on macOS):
@@ -76,6 +79,7 @@ class LocalCluster:
         self.temp_dir = temp_dir or tempfile.mkdtemp(prefix="ubray-", dir="/tmp")
         self._cluster: Cluster | None = None
         self.nodes: dict[str, Any] = {}
+        self._frozen: dict[str, list[int]] = {}  # node -> the PIDs freeze_node stopped
 
     @property
     def address(self) -> str:
@@ -140,6 +144,25 @@ class LocalCluster:
         node = self.nodes.pop(name)
         assert self._cluster is not None
         self._cluster.remove_node(node, allow_graceful=False)
+        for pid in self._frozen.pop(name, []):  # stopped processes do not exit when their raylet goes
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    def freeze_node(self, name: str) -> list[int]:
+        """SIGSTOP every process of one node (its raylet, object store, and the workers and agents it
+        started): a node that hangs or is cut off. Its raylet's port still takes connections, but nothing
+        answers, so only silence tells. kill_node ends it. Returns the PIDs stopped."""
+        if name == "head":
+            raise ValueError("freezing the head node stops the cluster; freeze a worker node instead")
+        node = self.nodes[name]
+        roots = [info.process.pid for infos in node.all_processes.values() for info in infos
+                 if getattr(info, "process", None) is not None]
+        pids = _descendants(roots)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+        self._frozen[name] = pids
+        return pids
 
     def node_id(self, name: str) -> str:
         return str(self.nodes[name].node_id)
@@ -162,6 +185,26 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _descendants(roots: list[int]) -> list[int]:
+    """`roots` and every process below them (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], list(roots)
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += children.get(pid, [])
+    return out
 
 
 def node_name_of_current_process() -> str | None:

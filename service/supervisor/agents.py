@@ -39,6 +39,9 @@ SERVICE_MEMBER_MISSES = 4
 # word; more on a loaded host (Patience: 3x the longest recent gap between batches).
 PING_PATIENCE_S = 1.0
 NODE_TABLE_EVERY_S = 0.5  # Ray's node table is read at most this often, and only while there are suspects
+# An agent this many batches late has its node checked (checkpointing.nodes: Ray's table, its raylet's
+# port): a node whose raylet is gone is written off then, not after the silence above.
+LATE_MISSES = 2
 
 
 @dataclass
@@ -189,7 +192,7 @@ class AgentTracker:
             if outcome == "died":
                 why = "its agent is gone (Ray says the actor died)"
             elif n in dead_nodes:
-                why = "Ray's node table says the node is dead"
+                why = "the node is gone (Ray's node table says so, or its raylet refuses connections)"
             elif now - s.found > patience:
                 why = f"its agent did not answer a ping for {now - s.found:.1f}s (patience {patience:.1f}s)"
             else:
@@ -315,28 +318,38 @@ def confirm_silent(tracker: AgentTracker, silent: list[tuple[str, float]]) -> li
 
 
 def _dead_nodes(tracker: AgentTracker, now: float) -> set[str]:
-    """The names Ray's node table lists as dead (and not also alive), read at most every
-    NODE_TABLE_EVERY_S; empty when the GCS does not answer."""
-    import ray
-
-    from checkpointing.nodes import node_name_of
+    """The generation's nodes that are gone (checkpointing.nodes: Ray's node table, or a raylet that
+    refuses connections), read at most every NODE_TABLE_EVERY_S; empty when the GCS does not answer."""
+    from checkpointing.nodes import dead_node_names
 
     when, dead = tracker._node_table
     if now - when >= NODE_TABLE_EVERY_S:
+        with tracker.run.lock:
+            names = sorted(tracker.seen, key=lambda n: tracker.seen[n])  # the longest silent first
         try:
-            table = ray.nodes()
-            alive = {node_name_of(x) for x in table if x.get("Alive")}
-            dead = {node_name_of(x) for x in table if not x.get("Alive")} - alive  # a name may come back
+            dead = dead_node_names(names)
         except Exception:  # noqa: BLE001 - the GCS busy: judge on the pings alone
             dead = set()
         tracker._node_table = (now, dead)
     return dead
 
 
+def late_and_gone(tracker: AgentTracker, now: float, silent: list[tuple[str, float]]) -> list[tuple[str, float]]:
+    """`silent` plus the (node, last heard) of reporters over LATE_MISSES batches late whose node is
+    already known to be gone; nothing is read from Ray while every agent is on time."""
+    with tracker.run.lock:
+        late = {n for n in tracker.reporters if n in tracker.seen
+                and now - tracker.seen[n] > tracker.interval_s * LATE_MISSES}
+    late -= {n for n, _ in silent}
+    if not late:
+        return silent
+    return silent + [x for x in dead_in_ray(tracker, now) if x[0] in late]
+
+
 def dead_in_ray(tracker: AgentTracker, now: float) -> list[tuple[str, float]]:
-    """(node, last heard) of the generation's nodes that Ray's node table already lists as dead. After a
-    broken collective that names no culprit, a lost node need not first stay silent for timeout_s: Ray's
-    health check knows in about 1.4 s (NOTES.md), the agents' silence only after the heartbeat timeout."""
+    """(node, last heard) of the generation's nodes known to be gone (see _dead_nodes). After a broken
+    collective that names no culprit, a lost node need not first stay silent for timeout_s: its raylet
+    refuses connections at once, Ray's health check knows in about 1.4 s (NOTES.md)."""
     dead = _dead_nodes(tracker, now)
     with tracker.run.lock:
         return [(n, tracker.seen[n]) for n in sorted(dead) if n in tracker.seen]

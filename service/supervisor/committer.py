@@ -63,10 +63,15 @@ class SnapshotCommitter:
         if not spec.checkpoint.in_memory_every:
             return
         from checkpointing.keepers import KeepersNotStarted, ensure_keepers
-        from checkpointing.nodes import node_ids_by_name
+        from checkpointing.nodes import dead_node_names, node_ids_by_name
 
         alive = node_ids_by_name()
         nodes = {str(s.info["node_name"]) for s in slots if s.info and s.info.get("node_name")}
+        # A node the generation left (lost, most often) may still be in Ray's table for a second or two; its
+        # raylet says it is gone, so no rank tries to restore from its keeper first.
+        with contextlib.suppress(Exception):
+            for name in dead_node_names(sorted(n for n in self.keepers if n not in nodes and n in alive)):
+                alive.pop(name, None)
         for name in list(self.keepers):
             if name not in nodes and name not in alive:
                 self.keepers.pop(name)  # its node is gone, and its memory with it

@@ -284,7 +284,7 @@ class Controller:
         run, pool, reporter = self.run, self.pool, self.reporter
         failure = self._behind_broken_collective(failure)
         t_detect = failure.t_detect
-        reporter.close_recovery()  # an earlier recovery still replaying: it ends here, with what it reached
+        earlier = reporter.close_recovery()  # one still replaying ends here; an interrupted one goes on below
         old_dp, old_gen = run.dp, run.generation
         last_step = run.last_step_seen
         decision = self.policies.failures.decide(failure.kind, run.recoveries, failure.step)
@@ -331,7 +331,7 @@ class Controller:
         self.gens.fit_pool()  # replacements (a new spare) are asked for once the new generation is under way
         reporter.begin_recovery(RecoveryTiming(
             kind=failure.kind.value, cause=failure.cause(), t_fault=failure.t_fault, t_detect=t_detect,
-            t_launch=t_launch, last_step=last_step, generation=run.generation))
+            t_launch=t_launch, last_step=last_step, generation=run.generation).after(earlier))
         reporter.to(JobState.RUNNING, f"re-formed at dp={dp}")
         return Running()
 

@@ -44,6 +44,9 @@ def root_cause(found: list[Failure]) -> Failure:
     return min(found, key=order)
 
 
+_SETTLE_NODES_S = 0.25  # while settling a broken collective, the pending ranks' nodes are checked this often
+
+
 class FailureDetector:
     def __init__(self, run: JobRun, reporter: Reporter, stragglers: StragglerPolicy) -> None:
         self.run = run
@@ -60,8 +63,14 @@ class FailureDetector:
         deadline = time.monotonic() + grace_s
         more = list(found)
         while pending and time.monotonic() < deadline:
+            # A rank on a lost node may not return for seconds (until Ray knows): its node's raylet says it.
+            lost = self._on_lost_nodes(pending)
+            if lost is not None:  # its fault: the first broken collective it caused, where a rank said when
+                lost.t_fault = min((f.t_fault for f in more if f.t_fault), default=None)
+                more.append(lost)
+                break
             done, _ = ray.wait([s.run_ref for s in pending], num_returns=1,
-                               timeout=max(0.0, deadline - time.monotonic()))
+                               timeout=max(0.0, min(_SETTLE_NODES_S, deadline - time.monotonic())))
             for s in [s for s in pending if s.run_ref in done]:
                 pending.remove(s)
                 f = self.collect(s)
@@ -70,6 +79,22 @@ class FailureDetector:
             if any(f.kind != FailureKind.COLLECTIVE_ERROR for f in more):
                 break
         return more
+
+    def _on_lost_nodes(self, slots: list[Slot]) -> Failure | None:
+        """The ranks of `slots` whose node is gone (checkpointing.nodes), as one node failure; else None."""
+        from checkpointing.nodes import dead_node_ids
+
+        try:
+            dead = dead_node_ids({str(s.info["node_id"]) for s in slots if s.info and s.info.get("node_id")})
+        except Exception:  # noqa: BLE001 - the GCS busy: the grace still bounds the wait
+            return None
+        gone = [s for s in slots if (s.info or {}).get("node_id") in dead]
+        if not gone:
+            return None
+        nodes = ", ".join(sorted({str((s.info or {}).get("node_name", "?")) for s in gone}))
+        ranks = ", ".join(str(s.rank) for s in gone[:8]) + (" ..." if len(gone) > 8 else "")
+        return Failure(FailureKind.NODE_DIED, gone, f"Node {nodes} is lost (its raylet is gone; ranks {ranks}).",
+                       time.time())
 
     def death(self, s: Slot, e: BaseException) -> Failure:
         """Ray says `s`'s actor died: the failure, its cause first (chaos, its node, or Ray's words)."""
@@ -129,8 +154,8 @@ class FailureDetector:
             fault = self.fault_of(s)
             t_fault = fault.time if fault else x.t_fault
             if x.kind == "died":  # in the words of Ray's own report of a death (the cause first)
-                return Failure(FailureKind.WORKER_DIED, [s], self._death_text(s, FailureKind.WORKER_DIED, x.detail),
-                               now, t_fault=t_fault)
+                kind = FailureKind.NODE_DIED if self._node_dead(s) else FailureKind.WORKER_DIED
+                return Failure(kind, [s], self._death_text(s, kind, x.detail), now, t_fault=t_fault)
             cause = f" (hung by chaos: {fault.kind})" if fault else ""
             silent = f"sent no heartbeat for {now - x.t_fault:.1f}s" if x.t_fault is not None else x.detail
             return Failure(FailureKind.HANG, [s], f"Rank {s.rank} ({s.short}) {silent}{cause}; heartbeat_timeout_s="
@@ -166,13 +191,16 @@ class FailureDetector:
         return None
 
     def _node_dead(self, s: Slot) -> bool:
+        """Whether the node of a rank that died is gone too (checkpointing.nodes: Ray's table or its raylet)."""
+        from checkpointing.nodes import dead_node_ids
+
         node = (s.info or {}).get("node_id")
         if node is None:
             return False
-        for n in ray.nodes():
-            if n["NodeID"] == node:
-                return not n.get("Alive", False)
-        return True
+        try:
+            return bool(dead_node_ids([node]))
+        except Exception:  # noqa: BLE001 - the GCS busy: a worker's death, as far as we can tell
+            return False
 
     def _fault_time(self, s: Slot) -> float | None:
         f = self.fault_of(s)

@@ -252,9 +252,9 @@ class Generations:
             now = time.time()
             hbs = run.heartbeats()
             if self._agents_on and self.agents is not None:  # the agents watch their ranks: O(nodes) here
-                from service.supervisor.agents import confirm_silent
+                from service.supervisor.agents import confirm_silent, late_and_gone
 
-                silent = confirm_silent(self.agents, self.agents.silent(now))
+                silent = confirm_silent(self.agents, late_and_gone(self.agents, now, self.agents.silent(now)))
                 hung = self.detector.from_agents(self.agents.take_lost(), silent, slots, now)
             else:
                 hung = self.detector.hung(slots, hbs, now)
@@ -343,16 +343,14 @@ class Generations:
         spares = self.pool.in_state(ReplicaState.READY)  # (the survivors are READY too by now: none is on it)
         if not spares:
             return
-        gone = {(s.info or {}).get("node_id") for s in failure.slots} if failure.kind == FailureKind.NODE_DIED else set()
-        from checkpointing.nodes import node_ids_by_name
+        from checkpointing.nodes import dead_node_ids
 
-        try:
-            alive: set[str] | None = set(node_ids_by_name().values())
-        except Exception:  # noqa: BLE001 - the GCS busy: the failure's own node only
-            alive = None
+        gone = {(s.info or {}).get("node_id") for s in failure.slots} if failure.kind == FailureKind.NODE_DIED else set()
+        with contextlib.suppress(Exception):  # the GCS busy: the failure's own node only
+            gone |= dead_node_ids({r.node for r in spares if r.node is not None})
         for rep in spares:
             node = rep.node
-            if node is not None and (node in gone or (alive is not None and node not in alive)):
+            if node is not None and node in gone:
                 self.reporter.event("spare_lost", f"Spare replica {rep.index} (node {rep.node_name or '?'}) was "
                                     "lost with its node: dropped; another is asked for.", replica=rep.index,
                                     node=rep.node_name)
@@ -424,10 +422,14 @@ class Generations:
         """Every run call of the ending generation returns, or its worker is written off."""
         for s in culprits:
             self.pool.write_off(s, "failed")
+        # The other ranks on a culprit's node, if that node is gone: written off now (SIGKILLed where they
+        # are local), so their peers' collectives break now, not when those processes find their raylet gone.
+        self._write_off_on_lost_nodes([s for s in slots if s.dead is None],
+                                      among={str((s.info or {}).get("node_id")) for s in culprits})
         self._to_ranks([s for s in slots if s.dead is None], "abort", self.run.generation)
         deadline = time.monotonic() + self.timeout_s() + 10.0
         unavailable: set[str] = set()  # slots whose run call ended "unavailable": its ref says no more
-        nodes_read = 0.0
+        nodes_read = time.monotonic()
         while time.monotonic() < deadline:
             pending = [s for s in slots if s.result is None and s.dead is None]
             if not pending:
@@ -447,8 +449,8 @@ class Generations:
                                              error=str(e))
                         s.dead = "died"
             if time.monotonic() - nodes_read >= _NODE_TABLE_S:
-                # A rank on a lost node answers nothing (or "unavailable", which its ref keeps saying): Ray's
-                # node table says it is gone about 1.4 s after the node, not after this wait's deadline.
+                # A rank on a lost node answers nothing (or "unavailable", which its ref keeps saying):
+                # checkpointing.nodes knows the node is gone, this wait's deadline would be many seconds late.
                 nodes_read = time.monotonic()
                 self._write_off_on_lost_nodes([s for s in pending if s.result is None and s.dead is None])
         for s in slots:
@@ -457,21 +459,25 @@ class Generations:
                 with contextlib.suppress(Exception):
                     ray.kill(s.handle, no_restart=True)
 
-    def _write_off_on_lost_nodes(self, slots: list[Slot]) -> None:
-        if not slots:
+    def _write_off_on_lost_nodes(self, slots: list[Slot], among: set[str] | None = None) -> None:
+        """Those of `slots` on a node that is gone (checkpointing.nodes), of the nodes `among` (default:
+        theirs), are written off: dead, and SIGKILLed where local."""
+        nodes = {str(s.info["node_id"]) for s in slots if s.info and s.info.get("node_id")}
+        if among is not None:
+            nodes &= among
+        if not nodes:
             return
-        from checkpointing.nodes import node_ids_by_name
+        from checkpointing.nodes import dead_node_ids
 
         try:
-            alive = set(node_ids_by_name().values())
+            dead = dead_node_ids(nodes)
         except Exception:  # noqa: BLE001 - the GCS busy: the deadline still bounds the wait
             return
         for s in slots:
-            node = (s.info or {}).get("node_id")
-            if node is not None and node not in alive:
-                s.result = RunResult(RunStatus.DEAD, s.name, self.run.generation, s.rank, 0,
-                                     error="lost with its node")
-                s.dead = "lost with its node"
+            if (s.info or {}).get("node_id") in dead:
+                s.result = s.result or RunResult(RunStatus.DEAD, s.name, self.run.generation, s.rank, 0,
+                                                 error="lost with its node")
+                self.pool.write_off(s, "lost with its node")
 
     def stop_all(self) -> None:
         """At a cancel: every active worker stops at its next step boundary (waited for briefly)."""

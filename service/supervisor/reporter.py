@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from service.state_machine import STORE_STATUS, JobState
@@ -38,6 +38,16 @@ class RecoveryTiming:
     t_launch: float
     last_step: int
     generation: int
+    interrupted: int = 0  # earlier recoveries a new failure cut short before their first step
+
+    def after(self, earlier: RecoveryTiming | None) -> RecoveryTiming:
+        """This recovery as the continuation of `earlier`, one a new failure interrupted: it is timed from
+        the first failure (its fault and detection), as the job was not training in between."""
+        if earlier is None:
+            return self
+        return replace(self, t_fault=earlier.t_fault, t_detect=earlier.t_detect, last_step=earlier.last_step,
+                       cause=f"{self.cause} (after {earlier.cause}, whose recovery it interrupted)",
+                       interrupted=earlier.interrupted + 1)
 
 
 class Reporter:
@@ -290,10 +300,14 @@ class Reporter:
     def begin_recovery(self, rec: RecoveryTiming) -> None:
         self.recovery, self._recovered_row = rec, None
 
-    def close_recovery(self) -> None:
-        """An earlier recovery still replaying ends here, with what it reached."""
-        if self.recovery is not None:
-            self.finish_recovery(self.recovery, self._recovered_row)
+    def close_recovery(self) -> RecoveryTiming | None:
+        """An earlier recovery still replaying ends here, with what it reached; it is returned when it was
+        interrupted (no step yet), so the next recovery goes on timing it."""
+        rec, row = self.recovery, self._recovered_row
+        if rec is None:
+            return None
+        self.finish_recovery(rec, row)
+        return rec if row is None else None
 
     def settle_recovery(self) -> None:
         """At the end of the job: a recovery whose first row came is told, even with a `formed` missing."""
@@ -351,4 +365,5 @@ class Reporter:
             last_step=rec.last_step, lost_steps=lost,
             detect_s=detect_s, reform_s=reform_s, restore_s=restore_s, replay_s=replay_s, total_s=total,
             first_step=row["step"], fallback_reason=fallback[0] if fallback else None, in_place_ranks=kept,
+            interrupted=rec.interrupted,
         )

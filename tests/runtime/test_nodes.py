@@ -3,7 +3,8 @@
 kill_node on rank 0 SIGKILLs its node's raylet (whichever of b, c it is): the job shrinks 4 -> 2;
 a node added later lets it grow back to 4 at a snapshot boundary, with the fault-free losses.
 Then, with dp.min = 4, a node loss leaves the job below its minimum: it waits, fails with a
-clear reason and releases everything.
+clear reason and releases everything. First, a warm spare that shares the lost node with a rank of the
+group is dropped with it, never swapped in.
 """
 
 from __future__ import annotations
@@ -26,6 +27,45 @@ SLOW = [{"kind": "slow_worker", "step": 0, "rank": r, "seconds": 0.4} for r in r
 @pytest.fixture(scope="module")
 def nodes_cluster() -> Iterator[LocalCluster]:
     yield from make_cluster(0, {"b": 1, "c": 1})
+
+
+def test_a_spare_lost_with_its_node_is_not_swapped_in(nodes_cluster: LocalCluster, tmp_path: Path) -> None:
+    """dp 3 and one warm spare over b and c (two 0.5-CPU workers a node), so the spare shares its node
+    with a rank of the group. That node is lost: the spare goes with it (`spare_lost`) and is not swapped
+    in; the job shrinks to the two ranks left in one recovery, with no generation formed around a dead
+    spare (whose survivors would wait in the rendezvous for it until the collective timeout)."""
+    s = tiny_spec(tmp_path, steps=30, dp=3, dp_min=2, chaos=SLOW[:3])
+    s = s.model_copy(update={"resources": s.resources.model_copy(update={"spares": 1})})
+    run = JobRun(s)
+    killed: list[str] = []
+
+    def kill_the_spares_node(ev: dict[str, Any]) -> None:
+        if ev["kind"] != "spares" or ev["data"].get("spares") != 1 or killed:
+            return
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(run.rows() if (tmp_path / "metrics.jsonl").exists() else []) < 2:
+            time.sleep(0.2)  # a snapshot to recover from
+        node = ev["data"]["nodes"][0]
+        nodes_cluster.kill_node(node)
+        killed.append(node)
+
+    try:
+        run.wait(timeout_s=400, on_event=kill_the_spares_node)
+        assert run.status["state"] == "SUCCEEDED", run.events
+        assert killed, run.kinds()
+        lost = run.of("spare_lost")
+        assert lost and lost[0]["data"]["node"] == killed[0], [e["message"] for e in lost]
+        assert not run.of("spare_swapped") and not run.of("recovery_interrupted"), run.kinds()
+        gens = [e["data"] for e in run.of("generation")]
+        assert [g["dp"] for g in gens[:2]] == [3, 2], gens
+        assert killed[0] not in gens[1]["nodes"], gens[1]
+        recovered = run.of("recovered")
+        assert recovered and recovered[0]["data"]["lost_steps"] <= 1, recovered
+        assert [r["step"] for r in run.rows()] == list(range(1, 31))
+    finally:
+        run.finish()
+        nodes_cluster.add_node(f"{killed[0]}2" if killed else "spare", num_cpus=1)  # the next test's shape
+    assert_no_leaks(run.job_id)
 
 
 def test_node_loss_shrinks_then_a_new_node_grows_it_back(nodes_cluster: LocalCluster, tmp_path: Path) -> None:

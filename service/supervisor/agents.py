@@ -41,7 +41,7 @@ PING_PATIENCE_S = 1.0
 NODE_TABLE_EVERY_S = 0.5  # Ray's node table is read at most this often, and only while there are suspects
 # An agent this many batches late has its node checked (checkpointing.nodes: Ray's table, its raylet's
 # port): a node whose raylet is gone is written off then, not after the silence above.
-LATE_MISSES = 2
+LATE_MISSES = 1
 
 
 @dataclass

@@ -371,8 +371,10 @@ class Worker:
         if self._agent is not None:  # the agent batches notes: this run's last ones go before its result
             with contextlib.suppress(Exception):
                 # After a failure, briefly: the agent's upstream (a group leader) may be on the lost node,
-                # and Ray takes 1-2 s to say so; a missed ack costs a step replayed, not that wait.
-                ray.get(self._agent.sync.remote(), timeout=15 if ok else FAILED_SYNC_S)
+                # and Ray takes 1-2 s to say so; the sync goes on without us, and an ack it brings too late
+                # for the next restore costs a step replayed, not that wait.
+                ray.get(self._agent.sync.remote(), timeout=15) if ok else \
+                    ray.wait([self._agent.sync.remote()], timeout=FAILED_SYNC_S)
         _lg('sync')
         if device_is_cuda():
             torch.cuda.empty_cache()
@@ -387,7 +389,7 @@ class Worker:
         return torch.device("cuda", 0 if ids else rank % torch.cuda.device_count())
 
 
-FAILED_SYNC_S = 0.3  # how long a failed run waits for its agent to pass its last notes on
+FAILED_SYNC_S = 0.05  # how long a failed run waits for its agent to pass its last notes on
 
 
 def _freeze_heap() -> None:

@@ -314,7 +314,9 @@ class Controller:
                 pool.drop(rep, "lost a member")
             else:
                 rep.state = ReplicaState.READY
-        self.gens.drop_spares_on_lost_nodes(failure)
+        lost_nodes = {str((s.info or {}).get("node_id")) for s in failure.slots} \
+            if failure.kind == FailureKind.NODE_DIED else set()
+        pool.drop_ready_on_lost_nodes(lost_nodes)  # (the survivors are READY by now: none is on a lost node)
         spares_before = [r.index for r in pool.in_state(ReplicaState.READY) if r.index not in {a.index for a in active}]
         dp = self._choose_dp()
         if dp is None:

@@ -28,7 +28,7 @@ from workers.protocol import Heartbeat, RunResult, RunStatus
 _POLL_S = 0.05
 # How long a broken collective waits for the failure of a rank's own that broke it (see settle).
 _ROOT_CAUSE_GRACE_S = 3.0
-_NODE_TABLE_S = 0.5  # while stopping, Ray's node table is read this often (only while ranks are pending)
+_NODES_CHECK_S = 0.5  # while stopping, pending ranks' nodes are checked this often (checkpointing.nodes)
 
 
 class GenerationEnd(Enum):
@@ -335,27 +335,6 @@ class Generations:
                     self.pool.drop(rep, "silent spare")
                     break
 
-    def drop_spares_on_lost_nodes(self, failure: Failure) -> None:
-        """Before a recovery picks its members: spares on a node that is gone (the failure's own, when a
-        node was lost, and any Ray's node table lists as dead) are dropped. Their heartbeats would say so
-        only after heartbeat_timeout_s; a generation launched with one would fail again at once, and its
-        other ranks would wait in the rendezvous for it."""
-        spares = self.pool.in_state(ReplicaState.READY)  # (the survivors are READY too by now: none is on it)
-        if not spares:
-            return
-        from checkpointing.nodes import dead_node_ids
-
-        gone = {(s.info or {}).get("node_id") for s in failure.slots} if failure.kind == FailureKind.NODE_DIED else set()
-        with contextlib.suppress(Exception):  # the GCS busy: the failure's own node only
-            gone |= dead_node_ids({r.node for r in spares if r.node is not None})
-        for rep in spares:
-            node = rep.node
-            if node is not None and node in gone:
-                self.reporter.event("spare_lost", f"Spare replica {rep.index} (node {rep.node_name or '?'}) was "
-                                    "lost with its node: dropped; another is asked for.", replica=rep.index,
-                                    node=rep.node_name)
-                self.pool.drop(rep, "its node was lost")
-
     def tell_swap(self, joined: list[Replica], lost: list[int], old_dp: int, dp: int) -> None:
         """The `spare_swapped` event: warm spares that took the place of lost replicas in the generation
         just launched (the job's dp held, or shrank less than it would have without them)."""
@@ -424,19 +403,23 @@ class Generations:
             self.pool.write_off(s, "failed")
         # The other ranks on a culprit's node, if that node is gone: written off now (SIGKILLed where they
         # are local), so their peers' collectives break now, not when those processes find their raylet gone.
-        self._write_off_on_lost_nodes([s for s in slots if s.dead is None],
-                                      among={str((s.info or {}).get("node_id")) for s in culprits})
-        self._to_ranks([s for s in slots if s.dead is None], "abort", self.run.generation)
+        gen = self.run.generation
+        self.pool.write_off_on_lost_nodes([s for s in slots if s.dead is None], gen,
+                                          among={str((s.info or {}).get("node_id")) for s in culprits})
+        self._to_ranks([s for s in slots if s.dead is None], "abort", gen)
         deadline = time.monotonic() + self.timeout_s() + 10.0
         unavailable: set[str] = set()  # slots whose run call ended "unavailable": its ref says no more
-        nodes_read = time.monotonic()
+        nodes_checked = time.monotonic()
         while time.monotonic() < deadline:
             pending = [s for s in slots if s.result is None and s.dead is None]
             if not pending:
                 break
             waiting = [s for s in pending if s.name not in unavailable]
-            done = set(ray.wait([s.run_ref for s in waiting], num_returns=len(waiting), timeout=0.2)[0]
-                       if waiting else time.sleep(0.2) or ())
+            if waiting:
+                done = set(ray.wait([s.run_ref for s in waiting], num_returns=len(waiting), timeout=0.2)[0])
+            else:
+                done = set()
+                time.sleep(0.2)
             for s in waiting:
                 if s.run_ref in done:
                     try:
@@ -448,36 +431,16 @@ class Generations:
                         s.result = RunResult(RunStatus.DEAD, s.name, self.run.generation, s.rank, 0,
                                              error=str(e))
                         s.dead = "died"
-            if time.monotonic() - nodes_read >= _NODE_TABLE_S:
+            if time.monotonic() - nodes_checked >= _NODES_CHECK_S:
                 # A rank on a lost node answers nothing (or "unavailable", which its ref keeps saying):
                 # checkpointing.nodes knows the node is gone, this wait's deadline would be many seconds late.
-                nodes_read = time.monotonic()
-                self._write_off_on_lost_nodes([s for s in pending if s.result is None and s.dead is None])
+                nodes_checked = time.monotonic()
+                self.pool.write_off_on_lost_nodes([s for s in pending if s.result is None and s.dead is None], gen)
         for s in slots:
             if s.result is None and s.dead is None:
                 s.dead = "could not leave its group in time"
                 with contextlib.suppress(Exception):
                     ray.kill(s.handle, no_restart=True)
-
-    def _write_off_on_lost_nodes(self, slots: list[Slot], among: set[str] | None = None) -> None:
-        """Those of `slots` on a node that is gone (checkpointing.nodes), of the nodes `among` (default:
-        theirs), are written off: dead, and SIGKILLed where local."""
-        nodes = {str(s.info["node_id"]) for s in slots if s.info and s.info.get("node_id")}
-        if among is not None:
-            nodes &= among
-        if not nodes:
-            return
-        from checkpointing.nodes import dead_node_ids
-
-        try:
-            dead = dead_node_ids(nodes)
-        except Exception:  # noqa: BLE001 - the GCS busy: the deadline still bounds the wait
-            return
-        for s in slots:
-            if (s.info or {}).get("node_id") in dead:
-                s.result = s.result or RunResult(RunStatus.DEAD, s.name, self.run.generation, s.rank, 0,
-                                                 error="lost with its node")
-                self.pool.write_off(s, "lost with its node")
 
     def stop_all(self) -> None:
         """At a cancel: every active worker stops at its next step boundary (waited for briefly)."""

@@ -32,7 +32,7 @@ from service.placement import ReplicaReservation, release, release_job_groups, r
 from service.supervisor.context import JobRun
 from service.supervisor.reporter import Reporter
 from service.supervisor.words import first_line, plural
-from workers.protocol import RunResult
+from workers.protocol import RunResult, RunStatus
 
 
 class ReplicaState(StrEnum):
@@ -260,6 +260,46 @@ class ReplicaPool:
         """A culprit (maybe hung or stopped): killed, and SIGKILLed at once when it runs on this host."""
         self.kill(s, why)  # a hung worker's sockets close: its peers fail fast
         _sigkill_if_local(s)
+
+    def write_off_on_lost_nodes(self, slots: list[Slot], generation: int, among: set[str] | None = None) -> None:
+        """Those of `slots` on a node that is gone (checkpointing.nodes), of the Ray node ids `among`
+        (default: any of theirs), are written off: dead, and SIGKILLed where local."""
+        nodes = {str(s.info["node_id"]) for s in slots if s.info and s.info.get("node_id")}
+        if among is not None:
+            nodes &= among
+        if not nodes:
+            return
+        from checkpointing.nodes import dead_node_ids
+
+        try:
+            dead = dead_node_ids(nodes)
+        except Exception:  # noqa: BLE001 - the GCS busy: the caller's deadline still bounds its wait
+            return
+        for s in slots:
+            if (s.info or {}).get("node_id") in dead:
+                s.result = s.result or RunResult(RunStatus.DEAD, s.name, generation, s.rank, 0,
+                                                 error="lost with its node")
+                self.write_off(s, "lost with its node")
+
+    def drop_ready_on_lost_nodes(self, lost: set[str]) -> None:
+        """Before a recovery picks its members: READY replicas (spares) on a node that is gone, one of
+        `lost` (Ray node ids known lost) or found so now (checkpointing.nodes), are dropped. Their
+        heartbeats would tell only after heartbeat_timeout_s; a generation launched with one would fail
+        again at once, its other ranks waiting in the rendezvous for it."""
+        ready = self.in_state(ReplicaState.READY)
+        if not ready:
+            return
+        from checkpointing.nodes import dead_node_ids
+
+        gone = set(lost)
+        with contextlib.suppress(Exception):  # the GCS busy: the known ones only
+            gone |= dead_node_ids({r.node for r in ready if r.node is not None})
+        for rep in ready:
+            if rep.node is not None and rep.node in gone:
+                self.reporter.event("spare_lost", f"Spare replica {rep.index} (node {rep.node_name or '?'}) was "
+                                    "lost with its node: dropped; another is asked for.", replica=rep.index,
+                                    node=rep.node_name)
+                self.drop(rep, "its node was lost")
 
     def release_all(self) -> None:
         """Workers and placement groups of the job: all go (also those an instance that crashed started)."""

@@ -282,12 +282,12 @@ class ReplicaPool:
                 self.write_off(s, "lost with its node")
 
     def drop_ready_on_lost_nodes(self, lost: set[str]) -> None:
-        """Before a recovery picks its members: READY replicas (spares) on a node that is gone, one of
-        `lost` (Ray node ids known lost) or found so now (checkpointing.nodes), are dropped. Their
+        """Before a recovery from a node's loss picks its members: READY replicas (spares) on a node that is
+        gone, one of `lost` (the Ray node ids lost) or another found gone now (checkpointing.nodes), are dropped. Their
         heartbeats would tell only after heartbeat_timeout_s; a generation launched with one would fail
         again at once, its other ranks waiting in the rendezvous for it."""
         ready = self.in_state(ReplicaState.READY)
-        if not ready:
+        if not ready or not lost:  # no node was lost: nothing to look for (a worker's death reads no table)
             return
         from checkpointing.nodes import dead_node_ids
 

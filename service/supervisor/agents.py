@@ -288,7 +288,6 @@ def confirm_silent(tracker: AgentTracker, silent: list[tuple[str, float]]) -> li
     import ray
     from ray.exceptions import ActorUnavailableError
 
-
     if not silent and not tracker.suspects:
         return []
     now = time.time()

@@ -14,7 +14,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from service.policies import FailureKind, StragglerPolicy
 from service.supervisor.context import JobRun
-from service.supervisor.pool import Slot
+from service.supervisor.pool import Slot, on_lost_nodes
 from service.supervisor.reporter import Reporter
 from service.supervisor.words import cause_phrase, first_line
 from workers.protocol import FaultNote, Note, RankLost, RunResult, RunStatus
@@ -82,13 +82,7 @@ class FailureDetector:
 
     def _on_lost_nodes(self, slots: list[Slot]) -> Failure | None:
         """The ranks of `slots` whose node is gone (checkpointing.nodes), as one node failure; else None."""
-        from checkpointing.nodes import dead_node_ids
-
-        try:
-            dead = dead_node_ids({str(s.info["node_id"]) for s in slots if s.info and s.info.get("node_id")})
-        except Exception:  # noqa: BLE001 - the GCS busy: the grace still bounds the wait
-            return None
-        gone = [s for s in slots if (s.info or {}).get("node_id") in dead]
+        gone = on_lost_nodes(slots)
         if not gone:
             return None
         nodes = ", ".join(sorted({str((s.info or {}).get("node_name", "?")) for s in gone}))
@@ -192,15 +186,7 @@ class FailureDetector:
 
     def _node_dead(self, s: Slot) -> bool:
         """Whether the node of a rank that died is gone too (checkpointing.nodes: Ray's table or its raylet)."""
-        from checkpointing.nodes import dead_node_ids
-
-        node = (s.info or {}).get("node_id")
-        if node is None:
-            return False
-        try:
-            return bool(dead_node_ids([node]))
-        except Exception:  # noqa: BLE001 - the GCS busy: a worker's death, as far as we can tell
-            return False
+        return bool(on_lost_nodes([s]))
 
     def _fault_time(self, s: Slot) -> float | None:
         f = self.fault_of(s)

@@ -262,24 +262,11 @@ class ReplicaPool:
         _sigkill_if_local(s)
 
     def write_off_on_lost_nodes(self, slots: list[Slot], generation: int, among: set[str] | None = None) -> None:
-        """Those of `slots` on a node that is gone (checkpointing.nodes), of the Ray node ids `among`
-        (default: any of theirs), are written off: dead, and SIGKILLed where local."""
-        nodes = {str(s.info["node_id"]) for s in slots if s.info and s.info.get("node_id")}
-        if among is not None:
-            nodes &= among
-        if not nodes:
-            return
-        from checkpointing.nodes import dead_node_ids
-
-        try:
-            dead = dead_node_ids(nodes)
-        except Exception:  # noqa: BLE001 - the GCS busy: the caller's deadline still bounds its wait
-            return
-        for s in slots:
-            if (s.info or {}).get("node_id") in dead:
-                s.result = s.result or RunResult(RunStatus.DEAD, s.name, generation, s.rank, 0,
-                                                 error="lost with its node")
-                self.write_off(s, "lost with its node")
+        """Those of `slots` on a node that is gone, of the Ray node ids `among` (default: any of theirs),
+        are written off: dead, and SIGKILLed where local."""
+        for s in on_lost_nodes(slots, among):
+            s.result = s.result or RunResult(RunStatus.DEAD, s.name, generation, s.rank, 0, error="lost with its node")
+            self.write_off(s, "lost with its node")
 
     def drop_ready_on_lost_nodes(self, lost: set[str]) -> None:
         """Before a recovery from a node's loss picks its members: READY replicas (spares) on a node that is
@@ -383,6 +370,23 @@ class ReplicaPool:
                 with contextlib.suppress(Exception):
                     release(get_placement_group(info["name"]))
         return last_gen, lost
+
+
+def on_lost_nodes(slots: list[Slot], among: set[str] | None = None) -> list[Slot]:
+    """Those of `slots` whose node is gone (checkpointing.nodes.dead_node_ids), of the Ray node ids
+    `among` (default: any of theirs); [] when the GCS does not answer (the callers' deadlines bound them)."""
+    nodes = {str(s.info["node_id"]) for s in slots if s.info and s.info.get("node_id")}
+    if among is not None:
+        nodes &= among
+    if not nodes:
+        return []
+    from checkpointing.nodes import dead_node_ids
+
+    try:
+        dead = dead_node_ids(nodes)
+    except Exception:  # noqa: BLE001 - the GCS busy
+        return []
+    return [s for s in slots if (s.info or {}).get("node_id") in dead]
 
 
 def _placed_on(rep: Replica) -> str | None:

@@ -350,12 +350,6 @@ class Worker:
         # Out of the except block (its traceback holds the frames that hold the trainer): drop every
         # reference to the group's objects, so destroying it really closes its sockets and peers
         # blocked on this rank see the error now, not at their timeout.
-        _t = [time.time()]
-        def _lg(m):
-            with open('/tmp/prof/worker.log', 'a') as f:
-                f.write(f'{time.time():.3f} r{rank} g{generation} {m} {time.time()-_t[0]:.3f}\n')
-            _t[0] = time.time()
-        _lg(f'ret {result.status} {str(result.error)[:80]}')
         ok = result.ok
         if not ok:
             sever_new_connections(sockets_before)
@@ -366,16 +360,16 @@ class Worker:
         trainer = tiers = None
         gc.collect()
         leave_group(abort=not ok)  # NCCL: abort the communicators before destroying a broken group
-        _lg('leave')
         self.phase = "finished" if result.status == RunStatus.FINISHED else "idle"
         if self._agent is not None:  # the agent batches notes: this run's last ones go before its result
             with contextlib.suppress(Exception):
                 # After a failure, briefly: the agent's upstream (a group leader) may be on the lost node,
                 # and Ray takes 1-2 s to say so; the sync goes on without us, and an ack it brings too late
                 # for the next restore costs a step replayed, not that wait.
-                ray.get(self._agent.sync.remote(), timeout=15) if ok else \
+                if ok:
+                    ray.get(self._agent.sync.remote(), timeout=15)
+                else:
                     ray.wait([self._agent.sync.remote()], timeout=FAILED_SYNC_S)
-        _lg('sync')
         if device_is_cuda():
             torch.cuda.empty_cache()
         return result

@@ -27,7 +27,7 @@ def fmt_s(x: float | None) -> str:
 def cause_phrase(kind: str, ranks: list[int]) -> str:
     """A failure in a few words, for the `recovered` sentence."""
     ranks = sorted({r for r in ranks if r >= 0})
-    who = f"rank {', '.join(map(str, ranks))}" if ranks else "a broken collective"
+    who = (("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))) if ranks else "a broken collective"
     return {
         FailureKind.WORKER_DIED: f"the loss of {who}", FailureKind.NODE_DIED: f"the loss of a node ({who})",
         FailureKind.HANG: f"a hang of {who}", FailureKind.STEP_ERROR: f"an error in the step of {who}",

@@ -61,7 +61,8 @@ def reference_losses(tmp: Path, *, spare: bool = False) -> list[float]:
     return [json.loads(x)["loss"] for x in Path(res.metrics_path).read_text().splitlines()]
 
 
-def _run_user_path(tmp: Path, cluster: RayStartCluster, *, second_job: bool, spare: bool = False) -> None:
+def _run_user_path(tmp: Path, cluster: RayStartCluster, *, second_job: bool, spare: bool = False,
+                   node_loss: bool = False) -> None:
     serve = Serve(tmp / "home", address=cluster.address, env=cluster.env)
     try:
         serve.wait_ready()
@@ -98,6 +99,8 @@ def _run_user_path(tmp: Path, cluster: RayStartCluster, *, second_job: bool, spa
         headers = {"Authorization": f"Bearer {client.token}"}
         got = httpx.get(f"{serve.url}/v1/jobs/{job.id}", headers=headers, timeout=30).json()
         assert got["status"] == "SUCCEEDED"
+        if node_loss:
+            _lose_a_pod(tmp, cluster, client)
         if not second_job:
             return
 
@@ -122,6 +125,37 @@ def _run_user_path(tmp: Path, cluster: RayStartCluster, *, second_job: bool, spa
         assert any("[rank" in ln for t, ln in seen if t < t_end), seen[-20:]
     finally:
         serve.stop()
+
+
+def _lose_a_pod(tmp: Path, cluster: RayStartCluster, client: Any) -> None:
+    """A 4-worker job on both pods; at step 4 the pod the supervisor is not on is deleted (every process of
+    it SIGKILLed, its raylet and keeper with it). The job goes on at dp 2 on the other pod from the keepers'
+    memory, loses no step and keeps one process's losses."""
+    slow = [{"kind": "slow_worker", "step": 0, "rank": 0, "seconds": 0.4}]  # time to act mid-job
+    job = client.submit(job_spec("pod-lost", slow))
+    deadline = time.monotonic() + 300
+    while not any(r["step"] >= 4 for r in client.metrics(job.id)):
+        status = client.get(job.id).status
+        assert status in ("PENDING", "RUNNING") and time.monotonic() < deadline, status
+        time.sleep(0.2)
+    lost = [n for n in cluster.node_sids if n not in cluster.nodes_running("Supervisor")]
+    assert len(lost) == 1, (lost, cluster.node_sids)
+    cluster.kill_node(lost[0])
+    done = client.wait(job.id, timeout=420)
+    assert done.status == "SUCCEEDED", done
+    events = list(client.events(job.id, follow=False))
+    failures = [e for e in events if e.kind == "failure_detected"]
+    assert len(failures) == 1 and (failures[0].data or {}).get("kind") == "node_died", \
+        [(e.kind, e.message) for e in events]
+    recovered = [e for e in events if e.kind == "recovered"]
+    assert len(recovered) == 1, [e.kind for e in events]
+    data = recovered[0].data or {}
+    print(f"\npod lost: {failures[0].message} {recovered[0].message}")
+    assert data["lost_steps"] == 0 and data["source"] == ["keepers"], recovered[0].message
+    rows = client.metrics(job.id)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert rows[0]["dp"] == 4 and rows[-1]["dp"] == 2, [r["dp"] for r in rows]
+    assert [r["loss"] for r in rows] == pytest.approx(reference_losses(tmp / "pod-lost"), abs=1e-4)
 
 
 def _check_spare_swap(events: list[Any], data: dict[str, Any]) -> None:
@@ -160,6 +194,6 @@ def test_serve_on_kuberay_manifest_cluster_swaps_in_a_hot_spare(tmp_path: Path) 
         cluster.add_node("pod-a", num_cpus=2, params=cpu)
         cluster.add_node("pod-b", num_cpus=2, params=cpu)
         cluster.wait_nodes(3)
-        _run_user_path(tmp_path, cluster, second_job=False, spare=True)
+        _run_user_path(tmp_path, cluster, second_job=False, spare=True, node_loss=True)
     finally:
         cluster.stop()

@@ -236,14 +236,16 @@ class Worker:
         leave_group()
 
     # --- notes to the supervisor (workers.protocol) ------------------------------------------
-    def send(self, note: Note) -> None:
+    def send(self, note: Note) -> Any:
         """Fire and forget: a missing supervisor must not stop training. Carries the output lines
-        printed since the last note."""
+        printed since the last note. Returns the call's ref (None where it could not be sent)."""
         note.logs = self._output.drain()
         if note.logs:
             self._sent_lines.add(note.source, note.logs)
-        with contextlib.suppress(Exception):
-            (self._agent or self.supervisor).report.remote(note)
+        try:
+            return (self._agent or self.supervisor).report.remote(note)
+        except Exception:  # noqa: BLE001 - see above
+            return None
 
     def _beat(self, metrics: dict[str, Any] | None = None) -> None:
         self.send(Heartbeat(self.name, self.generation, self.rank, time.time(), phase=self.phase, step=self.step,
@@ -254,8 +256,14 @@ class Worker:
             self._beat()
 
     def _fired(self, fault: Any) -> None:
-        self.send(FaultNote(self.name, self.generation, self.rank, time.time(), kind=fault.kind, step=self.step))
-        time.sleep(0.05)  # let the note leave before the process may vanish
+        """The fault's note reaches the supervisor (through this node's agent) before the process, or its
+        node, may vanish: waited for, briefly, so a chaos fault does not stall its peers longer than a real one."""
+        ref = self.send(FaultNote(self.name, self.generation, self.rank, time.time(), kind=fault.kind, step=self.step))
+        with contextlib.suppress(Exception):
+            if self._agent is not None:
+                ref = self._agent.sync.remote()
+            if ref is not None:
+                ray.wait([ref], timeout=FAULT_NOTE_S)
 
     # --- the run --------------------------------------------------------------------------------
     def run(
@@ -384,6 +392,7 @@ class Worker:
 
 
 FAILED_SYNC_S = 0.05  # how long a failed run waits for its agent to pass its last notes on
+FAULT_NOTE_S = 0.5  # how long a chaos fault waits for its note to reach the supervisor
 
 
 def _freeze_heap() -> None:

@@ -330,10 +330,10 @@ class Controller:
             reporter.event("resized", f"dp {old_dp} -> {dp} (world {old_dp * run.mp} -> {dp * run.mp})",
                            old_dp=old_dp, new_dp=dp, generation=run.generation, cause=failure.kind.value)
         self.gens.tell_swap([r for r in reps if r.index in spares_before], lost, old_dp, dp)
-        self.gens.fit_pool()  # replacements (a new spare) are asked for once the new generation is under way
         reporter.begin_recovery(RecoveryTiming(
             kind=failure.kind.value, cause=failure.cause(), t_fault=failure.t_fault, t_detect=t_detect,
             t_launch=t_launch, last_step=last_step, generation=run.generation).after(earlier))
+        self.gens.fit_pool()  # replacements (a new spare) come once the new generation completed a step
         reporter.to(JobState.RUNNING, f"re-formed at dp={dp}")
         return Running()
 

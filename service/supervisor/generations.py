@@ -28,6 +28,8 @@ from workers.protocol import Heartbeat, RunResult, RunStatus
 _POLL_S = 0.05
 # How long a broken collective waits for the failure of a rank's own that broke it (see settle).
 _ROOT_CAUSE_GRACE_S = 3.0
+# Replacements wait this long for a recovery's first step at most (a big model's step may take minutes).
+REPLACE_AFTER_RECOVERY_S = 10.0
 _NODES_CHECK_S = 0.5  # while stopping, pending ranks' nodes are checked this often (checkpointing.nodes)
 
 
@@ -81,6 +83,8 @@ class Generations:
         capacity allows; a spare on the node with the fewest of the job's replicas), release those not
         needed (a reservation first, a ready spare last; active ones leave at a pause)."""
         pool = self.pool
+        if self.reporter.recovering_for() < REPLACE_AFTER_RECOVERY_S:
+            return  # a new worker's start-up (imports, engine) would take the cores the recovery's first step needs
         live = pool.count(*LIVE)
         while live < self.target:
             pool.request()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from dataclasses import dataclass, replace
 from typing import Any
@@ -299,6 +300,12 @@ class Reporter:
     # ----------------------------------------------------------------- recovery timing
     def begin_recovery(self, rec: RecoveryTiming) -> None:
         self.recovery, self._recovered_row = rec, None
+
+    def recovering_for(self) -> float:
+        """Seconds since the current recovery launched its generation, while it has not completed a step;
+        infinity when no recovery is under way."""
+        rec = self.recovery
+        return math.inf if rec is None or self._recovered_row is not None else time.time() - rec.t_launch
 
     def close_recovery(self) -> RecoveryTiming | None:
         """An earlier recovery still replaying ends here, with what it reached; it is returned when it was

@@ -204,6 +204,10 @@ class Worker:
         # NCCL: a rank blocked in a collective with a dead peer never reaches that boundary.
         abort_if_stuck(lambda: self.phase != "training" or self.generation > generation, grace_s=2.0)
 
+    def aborted(self, generation: int) -> bool:
+        """Whether `generation` was called off (abort): its ranks stop at the next step boundary."""
+        return self._abort_gen >= generation
+
     def pause_at(self, generation: int, step: int) -> None:
         """Finish step `step` (and its snapshot), then return from `run` with status 'paused'."""
         self._stop_at = (generation, step)
@@ -424,7 +428,7 @@ class _WorkerHooks(LoopHooks):
         self.w, self.trainer, self.tiers, self.generation = worker, trainer, tiers, generation
 
     def stop_before_step(self) -> RunStatus | None:
-        return RunStatus.ABORTED if self.w._abort_gen >= self.generation else None
+        return RunStatus.ABORTED if self.w.aborted(self.generation) else None
 
     def before_step(self, done: int) -> None:
         self.w.chaos.before_step(done, self.w.rank, self.generation)

@@ -15,6 +15,8 @@ from workers.protocol import CheckpointReport, SnapshotAck
 
 log = logging.getLogger("unbroken.worker")
 
+_ABORT_POLL_S = 0.05  # a wait for the last snapshot's send looks for an abort this often
+
 
 def checkpoint_root(ckpt_cfg: Any, output_dir: str | Path) -> str:
     """Where a job's persistent checkpoints go: checkpoint.uri (the service made it the job's own), else
@@ -89,8 +91,7 @@ class Tiers:
         t0 = time.perf_counter()
         waited = self._hook_waits() - self._waited_seen
         step = trainer.step
-        if self.snap is not None and step % self.snap_every == 0:
-            self._wait_for_last_snapshot()
+        if self.snap is not None and step % self.snap_every == 0 and self._wait_for_last_snapshot(generation):
             handle = self.snap.snapshot(trainer.state_dict(), step, generation)
             handle.add_done_callback(self._snapshotted)
             self._snap_in_flight = handle
@@ -102,16 +103,23 @@ class Tiers:
         self._waited_seen = self._hook_waits()
         return waited + time.perf_counter() - t0
 
-    def _wait_for_last_snapshot(self) -> None:
+    def _wait_for_last_snapshot(self, generation: int) -> bool:
         """At most one snapshot is being sent: the next starts once the keepers hold the last one. So the
         snapshot of step s is held by the end of step s + in_memory_every, and a rank lost after that step
         costs at most the steps since s (one with in_memory_every: 1), however slow the sends get (without
         this wait they queue up behind each other, each holding a copy of the state). The wait counts in
-        the step's blocking time; it is zero while a send takes less than the steps between snapshots."""
+        the step's blocking time; it is zero while a send takes less than the steps between snapshots.
+
+        Returns False when the generation was called off meanwhile (no snapshot follows): a send to a keeper
+        on a lost node may hang until TCP gives up, and the supervisor is waiting for this rank to stop."""
         h = self._snap_in_flight
-        if h is not None and not h.done():
+        deadline = time.monotonic() + self.snap.timeout_s + 5.0
+        while h is not None and not h.done() and time.monotonic() < deadline:
+            if self.w.aborted(generation):
+                return False
             with contextlib.suppress(Exception):  # a failed or late send is reported by its own ack
-                h.result(timeout=self.snap.timeout_s + 5.0)
+                h.result(timeout=_ABORT_POLL_S)
+        return True
 
     def _snapshotted(self, res: Any) -> None:
         if res.ok:

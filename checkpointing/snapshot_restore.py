@@ -64,6 +64,7 @@ class RestoreInfo:
     fallback_reason: str | None = None  # why the keepers were not used (persistent source)
     uri: str | None = None  # the persistent checkpoint's location
     elapsed_s: float = 0.0
+    phases: dict[str, float] = field(default_factory=dict)  # seconds: holders, layouts, load (keepers)
 
     def describe(self) -> str:
         if self.source == "keepers":
@@ -168,6 +169,7 @@ def restore_from_keepers(
     """
     t0 = time.perf_counter()
     holders, world, committed, unreachable = snapshot_holders(keepers, job_id)
+    phases = {"holders_s": time.perf_counter() - t0}
     cands = _candidates(committed, step, generation, job_id)
     # The newest candidate with a live copy of every rank's shard (an older committed one may be
     # complete where the newest is not).
@@ -197,6 +199,7 @@ def restore_from_keepers(
     layouts = {r: ShardLayout.from_bytes(m[0]) for r, m in metas.items()}
     extras = {r: pickle.loads(m[1]) for r, m in metas.items()}
     metadata, where = build_metadata(layouts)
+    phases["layouts_s"] = time.perf_counter() - t0 - phases["holders_s"]
     reader = KeeperReader(metadata, where, extras, _fetch_iter(keepers, job_id, sid, order, used, timeout_s))
     try:
         with warnings.catch_warnings():
@@ -209,11 +212,13 @@ def restore_from_keepers(
             if isinstance(cause, SnapshotLost):
                 raise cause from None
         raise
+    elapsed = time.perf_counter() - t0
+    phases["load_s"] = elapsed - phases["holders_s"] - phases["layouts_s"]
     return RestoreInfo(
         source="keepers", job_id=job_id, step=sid[1], generation=sid[0], world_size=w,
         copies_used=dict(sorted(used.items())),
         single_copy_ranks=[r for r in range(w) if len(held[r]) < min(2, len(keepers))],
-        unreachable_keepers=unreachable, elapsed_s=time.perf_counter() - t0,
+        unreachable_keepers=unreachable, elapsed_s=elapsed, phases=phases,
     )  # fmt: skip
 
 
@@ -257,12 +262,14 @@ def restore_with_fallback(
         info = RestoreInfo(source="peer", job_id=job_id, step=-1 if step is None else step, generation=generation,
                            world_size=None)
     reasons = [why]
+    t_agree = time.perf_counter()
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         gathered: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, why, group=group)
         reasons = gathered
     failed = [r for r in reasons if r]
     if not failed and info is not None:
+        info.phases["agree_s"] = time.perf_counter() - t_agree
         return info
     reason = failed[0]
     log.warning(

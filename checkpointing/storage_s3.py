@@ -12,6 +12,7 @@ Credentials come from `S3Config` (access key and secret) or boto3's standard cha
 from __future__ import annotations
 
 import io
+import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -27,10 +28,25 @@ from checkpointing.object_store import (
 
 _MiB = 1024 * 1024
 
+# One client per process and settings: a boto3 client is thread-safe, and a new one costs 50-100 ms of
+# CPU (a fresh session loads botocore's models), which every re-form of a job's group would pay again.
+_clients: dict[tuple[Any, ...], Any] = {}
+_clients_lock = threading.Lock()
+
+
+def _client(kwargs: dict[str, Any], bc: Any, cfg: S3Config) -> Any:
+    import boto3
+
+    key = (tuple(sorted(kwargs.items())), cfg.max_attempts, cfg.read_timeout_s, cfg.max_concurrency)
+    with _clients_lock:
+        client = _clients.get(key)
+        if client is None:
+            client = _clients[key] = boto3.session.Session().client("s3", config=bc, **kwargs)
+        return client
+
 
 class S3Store(ObjectStore):
     def __init__(self, bucket: str, prefix: str, cfg: S3Config | None = None, *, client: Any = None) -> None:
-        import boto3
         from boto3.s3.transfer import TransferConfig
         from botocore.config import Config
 
@@ -50,7 +66,7 @@ class S3Store(ObjectStore):
                 max_pool_connections=max(10, 2 * cfg.max_concurrency),
                 s3={"addressing_style": "path"} if cfg.endpoint_url else None,
             )
-            kwargs: dict[str, Any] = {"config": bc}
+            kwargs: dict[str, Any] = {}
             if cfg.endpoint_url:
                 kwargs["endpoint_url"] = cfg.endpoint_url
             if cfg.region:
@@ -63,7 +79,7 @@ class S3Store(ObjectStore):
                     "checkpoint.s3: set both access_key_id and secret_access_key, or neither "
                     "(then boto3's standard credential chain is used)"
                 )
-            client = boto3.session.Session().client("s3", **kwargs)
+            client = _client(kwargs, bc, cfg)
         self.client = client
         part = cfg.part_size_mb * _MiB
         self.transfer = TransferConfig(

@@ -322,12 +322,15 @@ class Worker:
             loads = restore is not None and restore.get("step") is not None and bool(keepers)
             trainer, in_place = self._kept.take(place, engine_for_dp(self.cfg, dp), device, restoring=loads)
             timings["build_s"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
             tiers = Tiers(self, rank, world_size, timeout_s, keepers, trainer)
+            timings["tiers_s"] = time.perf_counter() - t0
             restored: dict[str, Any] = {"step": 0, "source": "fresh"}
             if restore is not None:
                 t0 = time.perf_counter()
                 restored = tiers.restore(trainer, restore, in_place=in_place)
                 timings["restore_s"] = time.perf_counter() - t0
+                timings.update(restored.pop("phases", {}))
                 if generation > 0 and tiers.persist_every:
                     # A stale rank of an older generation may still be uploading: from here on its commit
                     # of a step past this resume point is refused (checkpointing.catalog's fences).
@@ -336,8 +339,9 @@ class Worker:
             restored.update(in_place=in_place, pid=self.pid, model_id=id(trainer.model))
             self.step = trainer.step
             self.phase = "training"
-            log.info("generation %d: rank %d of %d (dp=%d) on node %s, formed in %.2fs; %s", generation, rank,
-                     world_size, dp, self.node_name, time.perf_counter() - t_formed,
+            log.info("generation %d: rank %d of %d (dp=%d) on node %s, formed in %.2fs (%s); %s", generation,
+                     rank, world_size, dp, self.node_name, time.perf_counter() - t_formed,
+                     ", ".join(f"{k.removesuffix('_s')} {v:.3f}" for k, v in timings.items()),
                      f"restored step {restored['step']} from {restored['source']}" if restore is not None
                      else "starting from scratch")
             self.send(Formed(self.name, generation, rank, time.time(), step=trainer.step, restored=restored,

@@ -157,18 +157,22 @@ class Tiers:
 
             peers = peer_heal.plan(trainer, in_place) if self.w.ckpt_cfg.heal_from_peer else None
             reads = peers is None or peers.reads(self.rank)
+            t0 = time.perf_counter()
             state = trainer.state_dict()
+            t_state = time.perf_counter() - t0
             info = restore_with_fallback(self.keepers, self.w.opts.job_id, state, self.persistent, step=step,
                                          generation=gen, prefer_node=self.w.node_name, read=reads)
+            t0 = time.perf_counter()
             if reads:
                 trainer.load_state_dict(state)
+            phases = {"state_dict_s": t_state, **info.phases, "set_s": time.perf_counter() - t0}
             if peers is not None and info.source != "persistent":  # a fallback: every rank loaded it
                 nbytes = peer_heal.share(state, peers, self.rank)
                 if not reads:
                     trainer.load_state_dict(state)
                     log.info("healed %d bytes from rank %d, a live replica", nbytes, peers.source)
             return {"step": int(trainer.step), "source": info.source, "fallback_reason": info.fallback_reason,
-                    "uri": info.uri, "snapshot_world": info.world_size}
+                    "uri": info.uri, "snapshot_world": info.world_size, "phases": phases}
         ckpt = self.persistent.latest_valid(deep=False)
         source, reader = "persistent", self.persistent
         if ckpt is None and target.get("resume") and self.w.ckpt_cfg.resume_from:

@@ -141,6 +141,25 @@ def test_file_round_trip_retention_rng_and_cli(tmp_path: Path) -> None:
     assert out.exit_code == 1 and "no checkpoint step-00000009" in out.output
 
 
+def test_an_s3_client_is_made_once_per_process_and_settings() -> None:
+    """A re-form builds its CheckpointManager again: it must reuse the process's client (a new boto3
+    session and client cost 50-100 ms of CPU on the recovery path), never one made for other settings."""
+    from checkpointing.storage_s3 import S3Store
+
+    def store(**kw: Any) -> S3Store:
+        cfg = {"endpoint_url": "http://127.0.0.1:9", "region": "us-east-1", "access_key_id": "k",
+               "secret_access_key": "s", **kw}  # fmt: skip
+        return S3Store("b", "job-1", S3Config(**cfg))
+
+    first = store()
+    assert store().client is first.client
+    assert S3Store("other-bucket", "job-2", S3Config(endpoint_url="http://127.0.0.1:9", region="us-east-1",
+                                                     access_key_id="k", secret_access_key="s")).client is first.client
+    for other in ({"endpoint_url": "http://127.0.0.1:10"}, {"secret_access_key": "t"}, {"region": "eu-west-1"},
+                  {"max_attempts": 2}, {"read_timeout_s": 5.0}, {"max_concurrency": 3}):  # fmt: skip
+        assert store(**other).client is not first.client, other
+
+
 def test_full_disk_is_reported_and_training_goes_on(tmp_path: Path) -> None:
     root = tmp_path / "ck"
     model, opt = make()

@@ -121,6 +121,53 @@ def resolve(flat: dict[str, Any], item: WriteItem) -> Any:
     return obj.detach() if isinstance(obj, torch.Tensor) else obj
 
 
+def _local(v: torch.Tensor) -> torch.Tensor:
+    return v._local_tensor if isinstance(v, DTensor) else v
+
+
+class StagingPlan:
+    """A snapshot's layout and the tensors it copies, kept while the state holds the same tensors.
+
+    Planning (DCP's save planner, the signature of every DTensor) and resolving each item's local shard
+    cost 1.5-3 ms of Python per snapshot for ~100 tensors, on a thread that shares the GIL with training;
+    a Trainer's state_dict() returns the same tensor objects every step, so that work is done once. Kept
+    only while every entry is the same object over the same storage (identity, data_ptr, shape): a
+    tensor replaced, moved, resized or re-sharded is planned and resolved again."""
+
+    def __init__(self) -> None:
+        self.layout: ShardLayout | None = None
+        self.layout_bytes = b""
+        self.sources: list[Any] = []
+        self._keys: tuple[str, ...] = ()
+        self._seen: list[tuple[Any, Any, int, tuple[int, ...]]] = []  # per flat entry: obj, local, ptr, shape
+
+    def update(self, state: dict[str, Any], flat: dict[str, Any]) -> bool:
+        """Bring the plan up to date with `flat` (flatten(state)); True when the layout changed."""
+        if self._still(flat):
+            return False
+        changed = self.layout is None or self.layout.signature != _signature(flat)
+        if changed:
+            self.layout = plan_layout(state, flat)
+            self.layout_bytes = self.layout.to_bytes()
+        assert self.layout is not None
+        self.sources = [resolve(flat, self.layout.items[s.item]) for s in self.layout.slots]
+        self._keys = tuple(flat)
+        self._seen = [(v, _local(v), _local(v).data_ptr(), tuple(_local(v).shape)) if isinstance(v, torch.Tensor)
+                      else (None, None, 0, ()) for v in flat.values()]  # fmt: skip
+        return changed
+
+    def _still(self, flat: dict[str, Any]) -> bool:
+        if self.layout is None or len(flat) != len(self._seen) or tuple(flat) != self._keys:
+            return False
+        for v, (obj, local, ptr, shape) in zip(flat.values(), self._seen, strict=True):
+            if not isinstance(v, torch.Tensor):
+                if obj is not None:
+                    return False
+            elif v is not obj or _local(v) is not local or local.data_ptr() != ptr or tuple(local.shape) != shape:
+                return False
+        return True
+
+
 def slot_views(buf: torch.Tensor, layout: ShardLayout) -> list[torch.Tensor]:
     """Typed views of a flat uint8 host buffer, one per tensor slot."""
     views = []

@@ -41,15 +41,7 @@ import torch
 from ray.actor import ActorHandle
 from ray.exceptions import RayActorError
 
-from checkpointing.memory_storage import (
-    ShardLayout,
-    _signature,
-    flatten,
-    pack_extras,
-    plan_layout,
-    resolve,
-    slot_views,
-)
+from checkpointing.memory_storage import ShardLayout, StagingPlan, flatten, pack_extras, slot_views
 from checkpointing.naming import NAMESPACE, keeper_name
 from checkpointing.shard_stream import KeeperRefused, ShardStream, StreamBroken
 from checkpointing.snapshot_restore import short_error
@@ -174,8 +166,7 @@ class SnapshotClient:
             log.warning(
                 "only one node (%s) has a keeper: snapshots are kept once, a node loss loses them", node_name
             )
-        self._layout: ShardLayout | None = None
-        self._layout_bytes = b""
+        self._plan = StagingPlan()  # the layout and source tensors, kept while the state has the same tensors
         self._buffers: list[_HostBuffer] = []  # made on first use, again when the layout changes
         self._conns: dict[str, tuple[ActorHandle, ShardStream]] = {}  # node -> its keeper's open stream
         self._next = 0
@@ -247,12 +238,11 @@ class SnapshotClient:
     @torch.no_grad()
     def _stage(self, state: dict[str, Any], ready: Any) -> _Staged:
         flat, _ = flatten(state)
-        if self._layout is None or self._layout.signature != _signature(flat):
-            self._layout = plan_layout(state, flat)
-            self._layout_bytes = self._layout.to_bytes()
+        plan = self._plan
+        if plan.update(state, flat):
             self._buffers = []
-        layout = self._layout
-        sources = [resolve(flat, layout.items[s.item]) for s in layout.slots]
+        layout, sources = plan.layout, plan.sources
+        assert layout is not None
         extras = pack_extras(flat, layout)
         cuda = [t for t in sources if t.device.type == "cuda"]
         buf = self._free_buffer(layout, pin=bool(cuda))
@@ -260,12 +250,12 @@ class SnapshotClient:
             if not cuda:
                 for dst, src in zip(buf.views, sources, strict=True):
                     dst.copy_(src)
-                return _Staged(layout, self._layout_bytes, extras, buf)
+                return _Staged(layout, plan.layout_bytes, extras, buf)
             done = self._copy_cuda(buf, sources, ready, cuda[0].device)
         except BaseException:
             buf.free.set()  # the sender never gets this one: free it here, or the next copy waits for it
             raise
-        return _Staged(layout, self._layout_bytes, extras, buf, done)
+        return _Staged(layout, plan.layout_bytes, extras, buf, done)
 
     def _free_buffer(self, layout: ShardLayout, *, pin: bool) -> _HostBuffer:
         """The next of the two host buffers, once the sender is done with it (s+1 is copied while s is sent)."""

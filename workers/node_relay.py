@@ -119,7 +119,7 @@ class NodeRelay:
                 if self._closed.is_set():
                     return
                 if time.monotonic() - t0 < 0.5:  # not a timeout: a broken connection, until close
-                    time.sleep(0.05)
+                    self._closed.wait(0.05)  # (close wakes it: a rank leaving a failed group waited here)
                 continue
             op, args = pickle.loads(self._in.get(key))
             self._in.delete_key(key)

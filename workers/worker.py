@@ -367,6 +367,7 @@ class Worker:
         # reference to the group's objects, so destroying it really closes its sockets and peers
         # blocked on this rank see the error now, not at their timeout.
         ok = result.ok
+        marks = [("", time.perf_counter())]  # (phase, its end): how long leaving took, for the log line
         if not ok:
             sever_new_connections(sockets_before)
         if tiers is not None:
@@ -374,8 +375,11 @@ class Worker:
         if trainer is not None and result.status != RunStatus.FINISHED and self.opts.keep_trainer:
             self._kept.keep(place, trainer)  # detached from the group destroyed below
         trainer = tiers = None
+        marks.append(("tiers", time.perf_counter()))
         gc.collect()
+        marks.append(("gc", time.perf_counter()))
         leave_group(abort=not ok)  # NCCL: abort the communicators before destroying a broken group
+        marks.append(("leave", time.perf_counter()))
         self.phase = "finished" if result.status == RunStatus.FINISHED else "idle"
         if self._agent is not None:  # the agent batches notes: this run's last ones go before its result
             with contextlib.suppress(Exception):
@@ -386,8 +390,13 @@ class Worker:
                     ray.get(self._agent.sync.remote(), timeout=15)
                 else:
                     ray.wait([self._agent.sync.remote()], timeout=FAILED_SYNC_S)
+        marks.append(("sync", time.perf_counter()))
         if device_is_cuda():
             torch.cuda.empty_cache()
+        if not ok:  # what a failed generation's survivors spend before the next can form
+            log.info("generation %d: rank %d left its group in %.3fs (%s)", generation, rank,
+                     marks[-1][1] - marks[0][1],
+                     ", ".join(f"{k} {t - t0:.3f}" for (_, t0), (k, t) in zip(marks, marks[1:], strict=False)))
         return result
 
     def _device(self, rank: int) -> Any:

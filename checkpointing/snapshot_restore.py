@@ -159,16 +159,24 @@ def restore_from_keepers(
     generation: int | None = None,
     prefer_node: str | None = None,
     timeout_s: float = 120.0,
+    known: tuple[int, dict[int, list[str]]] | None = None,
 ) -> RestoreInfo:
     """Load a committed snapshot into `state` in place (resharding to its mesh); no collectives.
 
     `state` is built for the current mesh (e.g. `trainer.state_dict()` of a fresh Trainer). step=None
     takes the newest committed snapshot; pass the same step to every rank (the supervisor chooses).
     Each shard is read from `prefer_node`'s keeper if it holds a copy, else another live one.
-    Raises SnapshotLost when no committed snapshot is complete on the live keepers.
+    `known` (world size, {rank: [nodes]}): who holds the committed (generation, step), as the supervisor
+    just asked the keepers; then the keepers are not asked again (a copy gone since is tried, then the
+    other). Raises SnapshotLost when no committed snapshot is complete on the live keepers.
     """
     t0 = time.perf_counter()
-    holders, world, committed, unreachable = snapshot_holders(keepers, job_id)
+    if known is not None and step is not None and generation is not None:
+        w, ranks = known
+        holders = {(generation, step): {int(r): [n for n in nodes if n in keepers] for r, nodes in ranks.items()}}
+        world, committed, unreachable = {(generation, step): int(w)}, [(generation, step)], {}
+    else:
+        holders, world, committed, unreachable = snapshot_holders(keepers, job_id)
     phases = {"holders_s": time.perf_counter() - t0}
     cands = _candidates(committed, step, generation, job_id)
     # The newest candidate with a live copy of every rank's shard (an older committed one may be
@@ -240,11 +248,13 @@ def restore_with_fallback(
     prefer_node: str | None = None,
     group: dist.ProcessGroup | None = None,
     read: bool = True,
+    known: tuple[int, dict[int, list[str]]] | None = None,
 ) -> RestoreInfo:
     """restore_from_keepers on every rank; if any rank hits SnapshotLost, all load the newest valid
     persistent checkpoint with `manager` (a checkpointing.persistent.CheckpointManager on the current
     group). Collective when torch.distributed is initialised: every rank must call it.
 
+    `known`: who holds the snapshot, as the supervisor found it (see restore_from_keepers).
     read=False: this rank takes the snapshot from a replica instead (checkpointing.peer_heal); it reads
     nothing unless the fallback is taken, and gets a RestoreInfo with source "peer".
     """
@@ -254,7 +264,7 @@ def restore_with_fallback(
     if read:
         try:
             info = restore_from_keepers(
-                keepers, job_id, state, step=step, generation=generation, prefer_node=prefer_node
+                keepers, job_id, state, step=step, generation=generation, prefer_node=prefer_node, known=known
             )
         except SnapshotLost as e:
             why = str(e)

@@ -22,6 +22,8 @@ from service.supervisor.reporter import Reporter
 
 log = logging.getLogger("unbroken.supervisor")
 
+# What the keepers hold: {(generation, step): (world size, {rank: [nodes]})}.
+Held = dict[tuple[int, int], tuple[int, dict[int, list[str]]]]
 KEEPER_WATCH_S = 1.0  # how often the watch loop pings the keepers between re-forms
 _KEEPER_START_S = 10.0  # a keeper started again that does not answer by then is given up (its node is going)
 
@@ -210,12 +212,13 @@ class SnapshotCommitter:
         self.reporter.settle_store()  # the rows just flushed count for the commit (not minutes: see there)
         self.commit()
         lookup_failed = None
+        holders: Held = {}  # as the keepers answered just now
         if self.keepers:
             # Ask the keepers what they hold whole, not only what the acks say: acks are fire and forget,
             # and those sent while this supervisor was down (or restarting) or through an agent lost with
             # its node never came. A newer whole snapshot there is committed and restored.
             try:
-                found = self._newest_in_keepers()
+                found, holders = self._newest_in_keepers()
                 if found is not None and (self.committed is None or found > self.committed):
                     with self.run.lock:
                         self.committed = found
@@ -227,21 +230,26 @@ class SnapshotCommitter:
                 log.warning("asking the keepers for committed snapshots failed: %s", lookup_failed)
             self._asked_keepers = True
         if self.committed is not None:
-            return {"generation": self.committed[0], "step": self.committed[1]}
+            target = {"generation": self.committed[0], "step": self.committed[1]}
+            if self.committed in holders:  # the ranks need not ask every keeper again (one round each)
+                target["world"], target["holders"] = holders[self.committed]
+            return target
         target: dict[str, Any] = {"step": None, "generation": None}
         why = self._why_not_from_scratch(lookup_failed)
         if why is not None:
             target["must_restore"] = why
         return target
 
-    def _newest_in_keepers(self) -> tuple[int, int] | None:
+    def _newest_in_keepers(self) -> tuple[tuple[int, int] | None, Held]:
         """The newest snapshot the keepers hold whole, committed now if it was not yet, up to the last
         metrics row written (so a restore never skips a step whose row was lost). Else the keepers' newest
         committed one. After our own restart the rows are those of metrics.jsonl (and those the adopted
-        workers gave back), so the steps the crashed instance's commit still trailed are not lost."""
+        workers gave back), so the steps the crashed instance's commit still trailed are not lost.
+        Also returns what the keepers hold: {(generation, step): (world size, {rank: [nodes]})}."""
         from checkpointing.keepers import commit_snapshot, snapshot_holders
 
         holders, world, committed, _ = snapshot_holders(self.keepers, self.run.job_id)
+        held = {k: (world[k], h) for k, h in holders.items() if k in world}
         newest = committed[-1] if committed else None
         # A restarted instance re-sends to the store the rows metrics.jsonl has (Reporter.open_outputs).
         first_after_restart = self.run.restarted and not self._asked_keepers
@@ -254,8 +262,8 @@ class SnapshotCommitter:
             # last commit has shards whose other copy went with the node).
             if key[1] <= rows and commit_snapshot(
                     self.keepers, self.run.job_id, key[0], key[1], world[key], min_copies=1):
-                return (int(key[0]), int(key[1]))
-        return (int(newest[0]), int(newest[1])) if newest is not None else None
+                return (int(key[0]), int(key[1])), held
+        return ((int(newest[0]), int(newest[1])) if newest is not None else None), held
 
     def _why_not_from_scratch(self, lookup_failed: str | None) -> str | None:
         """Why a restart from step 0 must not happen now (None: it may, e.g. before any state was due)."""

@@ -183,7 +183,8 @@ class Generations:
         telemetry.record_group(run.job_id, dp, generation, spares=self.spares_now)
         self.reporter.event("generation", f"Generation {generation} starts with {plural(world, 'worker')} at "
                             f"dp={dp}" + restore_phrase(target) + ".",
-                            generation=generation, dp=dp, world_size=world, restore=target,
+                            generation=generation, dp=dp, world_size=world,
+                            restore={k: v for k, v in (target or {}).items() if k not in ("holders", "world")} if target else target,
                             ranks={s.name: s.rank for s in slots}, keepers=sorted(keepers), agents=sorted(agents),
                             nodes=sorted({r.node_name or "?" for r in reps}),
                             **({"spares": self.spares_now} if self.spares_wanted else {}))

@@ -106,9 +106,9 @@ def _partial_loss() -> None:
             cl.close()
         assert commit_snapshot(ks, "partial", 1, 4, 3)
 
-        def restore() -> tuple[dict[str, torch.Tensor], Any]:
+        def restore(**kw: Any) -> tuple[dict[str, torch.Tensor], Any]:
             state = {f"r{r}": torch.zeros(3, 5) for r in range(3)}
-            info = restore_from_keepers(ks, "partial", state)
+            info = restore_from_keepers(ks, "partial", state, **kw)
             for r in range(3):
                 assert torch.equal(state[f"r{r}"], torch.full((3, 5), float(r))), state
             return state, info
@@ -119,9 +119,16 @@ def _partial_loss() -> None:
         _, info = restore()
         assert info.copies_used == {0: "x", 1: "y", 2: "x"} and info.single_copy_ranks == [1, 2], info
         assert "z" in info.unreachable_keepers
+        # Who holds what, as the supervisor found it before z died (and a node "w" whose keeper is no longer
+        # in the set): read without asking the keepers; the dead z, tried first, gives way to the other copy.
+        known = (3, {0: ["x", "y"], 1: ["y", "z", "w"], 2: ["z", "x"]})
+        _, info = restore(step=4, generation=1, prefer_node="z", known=known)
+        assert info.copies_used == {0: "x", 1: "y", 2: "x"} and info.unreachable_keepers == {}, info  # not asked
         ray.kill(ks["y"])  # rank 1's shard was on y and z: both copies gone
         with pytest.raises(SnapshotLost, match=r"rank\(s\) \[1\]'s shards is gone"):
             restore()
+        with pytest.raises(SnapshotLost, match=r"rank\(s\) \[1\]'s"):
+            restore(step=4, generation=1, known=known)
     finally:
         for h in ks.values():
             ray.kill(h)

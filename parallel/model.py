@@ -212,13 +212,15 @@ def _init_value(name: str, shape: torch.Size, cfg: ModelConfig, seed: int) -> to
 
 
 @torch.no_grad()
-def init_weights(model: nn.Module, cfg: ModelConfig, seed: int | None = None, device: torch.device | str | None = None) -> None:
+def init_weights(model: nn.Module, cfg: ModelConfig, seed: int | None = None, device: torch.device | str | None = None,
+                 *, values: bool = True) -> None:  # fmt: skip
     """Give every parameter its seeded value, whatever the layout.
 
     Works on plain tensors and on DTensors (FSDP/TP shards): the full value is drawn on the
     host from a per-parameter generator and each rank keeps its own shard, so no
     communication is needed and a sharded model equals the single-process one exactly.
-    Parameters on the meta device are materialised on `device` first.
+    Parameters on the meta device are materialised on `device` first. values=False: only that
+    (with the RoPE tables and the tied output), for a model whose whole state is loaded next.
     """
     from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -232,6 +234,8 @@ def init_weights(model: nn.Module, cfg: ModelConfig, seed: int | None = None, de
                 # to_empty gives each module its own tensor: tie the output to the embedding again.
                 if cfg.tie_embeddings and m.tok_embeddings is not None and m.output is not None:
                     m.output.weight = m.tok_embeddings.weight
+    if not values:
+        return
     for name, p in model.named_parameters(remove_duplicate=True):
         canonical = canonical_name(name)
         full = _init_value(canonical, p.shape, cfg, seed)

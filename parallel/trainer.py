@@ -70,10 +70,13 @@ class StepMetrics:
 
 class Trainer:
     def __init__(self, cfg: EngineConfig, *, device: torch.device | None = None,
-                 built: tuple[ParallelDims, DeviceMesh] | None = None) -> None:
+                 built: tuple[ParallelDims, DeviceMesh] | None = None, restoring: bool = False) -> None:
         """torch.distributed must already be initialised (any world size), or not at all for world 1.
-        `built`: the dims and mesh already built for this group (parallel.regroup.attach's fallback)."""
+        `built`: the dims and mesh already built for this group (parallel.regroup.attach's fallback).
+        `restoring`: a whole state is loaded into it next, so the weights are not drawn (nor read from
+        model.init_from): a re-formed group's ranks would only overwrite them."""
         self.cfg = cfg
+        self._restoring = restoring
         self.device = torch.device(device) if device is not None else pdist.default_device()
         world = pdist.world_size()
         if built is not None:
@@ -158,8 +161,8 @@ class Trainer:
                 cpu_offload=p.cpu_offload, device_type=self.device.type, reshard_after_forward=reshard,
             )
         init_device = torch.device("cpu") if (self.fsdp and p.cpu_offload) else self.device
-        init_weights(model, cfg.model, device=init_device)
-        if cfg.model.init_from:
+        init_weights(model, cfg.model, device=init_device, values=not self._restoring)
+        if cfg.model.init_from and not self._restoring:
             from parallel.hf import load_hf_weights  # lazy: safetensors only when asked for
 
             load_hf_weights(model, cfg.model, cfg.model.init_from)

@@ -56,10 +56,11 @@ class KeptTrainer:
             dims = trainer.dims
             del trainer
             gc.collect()
-            return Trainer(cfg, device=device, built=(dims, mesh)), False
-        del trainer
-        gc.collect()  # the old model's memory, before the new one is built
-        return Trainer(cfg, device=device), False
+            return Trainer(cfg, device=device, built=(dims, mesh), restoring=restoring), False
+        if trainer is not None:
+            del trainer
+            gc.collect()  # the old model's memory, before the new one is built
+        return Trainer(cfg, device=device, restoring=restoring), False
 
     def drop(self) -> None:
         self._place, self._trainer = None, None

@@ -93,6 +93,21 @@ def test_step_metrics() -> None:
     assert m.mfu is None and m.peak_mem_bytes > 0
 
 
+@pytest.mark.parametrize("tie", [False, True])
+def test_a_trainer_built_to_be_restored_draws_no_weights_and_matches_once_loaded(tie: bool) -> None:
+    """restoring=True (a re-form) skips the weights' values, not the rest: the RoPE tables, the tied output."""
+    cfg = tiny_cfg()
+    cfg.model.tie_embeddings = tie
+    ref = Trainer(cfg, device=torch.device("cpu"))
+    ref.train_step()
+    built = Trainer(cfg, device=torch.device("cpu"), restoring=True)
+    assert torch.equal(built.model.rope_cos, ref.model.rope_cos) and torch.equal(built.model.rope_sin, ref.model.rope_sin)
+    assert (built.model.output.weight is built.model.tok_embeddings.weight) == tie
+    built.load_state_dict(ref.state_dict())
+    assert built.step == ref.step == 1
+    assert built.train_step().loss == ref.train_step().loss
+
+
 def test_micro_batches_do_not_change_the_step() -> None:
     whole = Trainer(tiny_cfg(), device=torch.device("cpu"))
     split = Trainer(tiny_cfg(micro_batch_size=1), device=torch.device("cpu"))

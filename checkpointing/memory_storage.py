@@ -157,7 +157,7 @@ class StagingPlan:
         return changed
 
     def _still(self, flat: dict[str, Any]) -> bool:
-        if self.layout is None or len(flat) != len(self._seen) or tuple(flat) != self._keys:
+        if self.layout is None or tuple(flat) != self._keys:
             return False
         for v, (obj, local, ptr, shape) in zip(flat.values(), self._seen, strict=True):
             if not isinstance(v, torch.Tensor):

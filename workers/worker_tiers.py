@@ -160,9 +160,8 @@ class Tiers:
             t0 = time.perf_counter()
             state = trainer.state_dict()
             t_state = time.perf_counter() - t0
-            known = (target["world"], target["holders"]) if "holders" in target else None
             info = restore_with_fallback(self.keepers, self.w.opts.job_id, state, self.persistent, step=step,
-                                         generation=gen, prefer_node=self.w.node_name, read=reads, known=known)
+                                         generation=gen, prefer_node=self.w.node_name, read=reads, known=target.get("known"))
             t0 = time.perf_counter()
             if reads:
                 trainer.load_state_dict(state)

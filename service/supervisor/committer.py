@@ -231,8 +231,8 @@ class SnapshotCommitter:
             self._asked_keepers = True
         if self.committed is not None:
             target = {"generation": self.committed[0], "step": self.committed[1]}
-            if self.committed in holders:  # the ranks need not ask every keeper again (one round each)
-                target["world"], target["holders"] = holders[self.committed]
+            if self.committed in holders:  # (world, {rank: nodes}): the ranks need not ask every keeper again
+                target["known"] = holders[self.committed]
             return target
         target: dict[str, Any] = {"step": None, "generation": None}
         why = self._why_not_from_scratch(lookup_failed)

@@ -184,7 +184,7 @@ class Generations:
         self.reporter.event("generation", f"Generation {generation} starts with {plural(world, 'worker')} at "
                             f"dp={dp}" + restore_phrase(target) + ".",
                             generation=generation, dp=dp, world_size=world,
-                            restore={k: v for k, v in (target or {}).items() if k not in ("holders", "world")} if target else target,
+                            restore=target and {k: v for k, v in target.items() if k != "known"},
                             ranks={s.name: s.rank for s in slots}, keepers=sorted(keepers), agents=sorted(agents),
                             nodes=sorted({r.node_name or "?" for r in reps}),
                             **({"spares": self.spares_now} if self.spares_wanted else {}))

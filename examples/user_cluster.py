@@ -53,14 +53,16 @@ def cmdline(pid: int) -> str:
         return ""
 
 
-def stop_sessions(sids: list[int], marker: str, grace_s: float = 5.0) -> None:
+def stop_sessions(sids: list[int], marker: str | None, grace_s: float = 5.0) -> None:
     """SIGTERM, then after `grace_s` SIGKILL, every process of these sessions or naming `marker` (our temp
-    dir). Ray's raylet drains for up to 30 s on SIGTERM; nothing of a test or demo cluster needs that."""
+    dir; None: the sessions' only). Ray's raylet drains for up to 30 s on SIGTERM; nothing of a test or demo cluster needs that."""
 
     def ours() -> set[int]:
         found: set[int] = set()
         for sid in sids:
             found |= session_pids(sid)
+        if marker is None:
+            return found
         return found | {int(p) for p in os.listdir("/proc") if p.isdigit() and marker in cmdline(int(p))}
 
     mine = {os.getpid(), os.getsid(0)}  # never this test process or its session
@@ -110,7 +112,7 @@ class RayStartCluster:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.node_sids: dict[str, int] = {}  # worker nodes by name: the session of their `ray start`
         env = {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
-        self.env = {**env, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1",
+        self.env = {**env, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                     **{f"RAY_{k}": str(v) for k, v in FAST_FAILURE_DETECTION.items()},
                     # `ray start` waits for the node's registration (Ray's hint: raylet_start_wait_time_s);
                     # the raylet's own ~20 s wait for its agent's port file is fixed, hence the retries.
@@ -187,16 +189,21 @@ class RayStartCluster:
         loaded machine made one of them time out during its start-up). A start that fails so is retried."""
         args = [f"--address={self.address}", f"--num-cpus={num_cpus}", f"--object-store-memory={200 * 1024 * 1024}",
                 *_flags(params or {})]
+        tails = []
         for attempt in range(3):  # a raylet whose agent starts over ~20 s late exits: try again
             log_name = name if attempt == 0 else f"{name}-retry{attempt}"
             self._start(log_name, args)
+            log = Path(self.temp) / f"{log_name}.log"
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline and self.procs[-1].poll() is None:
-                if "Ray runtime started" in (Path(self.temp) / f"{log_name}.log").read_text(errors="replace"):
+                if "Ray runtime started" in log.read_text(errors="replace"):
                     self.node_sids[name] = self.sids[-1]
                     return
                 time.sleep(0.5)
-        raise AssertionError(f"ray start of node {name} failed 3 times; see {self.temp}/{name}*.log")
+            # A start still hanging holds its raylet and ports: gone before the next try.
+            stop_sessions([self.sids[-1]], None, grace_s=2.0)
+            tails.append(f"--- {log_name}.log (rc {self.procs[-1].poll()}):\n{log.read_text(errors='replace')[-1500:]}")
+        raise AssertionError(f"ray start of node {name} failed 3 times:\n" + "\n".join(tails))
 
     def node_alive(self, name: str) -> bool:
         """Whether the node's raylet still runs."""

@@ -325,9 +325,8 @@ class ReplicaPool:
         last_gen = max([int(s.info["generation"]) for s in slots if s.info] + [0])
         # Ranks of that generation no live worker holds: lost while no supervisor watched (a dead actor's
         # name is gone, so only the survivors can say who is missing).
-        members = [s.info for s in slots if s.info and int(s.info["generation"]) == last_gen]
-        world = max([int(i.get("world_size") or 0) for i in members] + [0])
-        lost = sorted(set(range(world)) - {int(i["rank"]) for i in members})
+        members = {s.name: int(s.info["rank"]) for s in slots if s.info and int(s.info["generation"]) == last_gen}
+        world = max([int(s.info.get("world_size") or 0) for s in slots if s.name in members] + [0])
         for s in slots:
             s.handle.abort.remote(last_gen)  # stop the generation the crashed instance ran
         deadline = time.monotonic() + run.ft.collective_timeout_s + 10
@@ -342,6 +341,8 @@ class ReplicaPool:
             if all(p in ("idle", "finished") for p in phases):
                 break
             time.sleep(0.2)
+        # A worker that dies while we stop the generation (a fault that fired just then) is as lost.
+        lost = sorted(set(range(world)) - {members[s.name] for s in slots if s.name in members and s.dead is None})
         by_rep: dict[int, list[Slot]] = {}
         for s in slots:
             if s.dead is None and s.info is not None and s.info["phase"] in ("idle", "finished"):

@@ -267,6 +267,9 @@ def run_ours(tmp: Path, cluster: Any, faults: list[Fault], spares: int = 0) -> O
     _ensure_node_b(cluster)
     detail = [f"{e['kind']}: {e.get('message', '')}" for e in run.events
               if e["kind"] in ("recovered", "spare_swapped", "resized", "recovery_interrupted")]
+    detail.append("pauses (the step that ended each generation to the next one's first, less a step): " + ", ".join(
+        f"g{a['generation']}->g{b['generation']} dp {a['dp']}->{b['dp']} {b['end_time'] - a['end_time'] - b['step_time_s']:.2f}s"
+        for a, b in zip(rows[:-1], rows[1:], strict=True) if a["generation"] != b["generation"]))
     by_dp = Counter(int(r["dp"]) for r in rows)  # a step's time depends on dp here (2 cores for 4 ranks)
     detail.append("steps by dp: " + ", ".join(f"dp {k}: {v}" for k, v in sorted(by_dp.items(), reverse=True)))
     widths = [(int(r["dp"]), int(r["generation"])) for r in rows]

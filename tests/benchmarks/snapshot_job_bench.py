@@ -10,6 +10,10 @@ falls on both. Per preset (debug, small):
   the ratio snap/none is the median over adjacent pairs. Goal >= 0.97.
 - the training thread's blocking time per step for the checkpoint tiers (`ckpt_block_s` in each
   metrics row: the optimizer step's wait for a copy still in flight, plus the hand-over after the step).
+- the CPU time per steady step of every Ray process on the machine (the cluster is the bench's own), by
+  kind: workers, keepers, node agents, supervisor, and Ray's own daemons. On 2 cores every CPU-second
+  the snapshot path spends is taken from training, so this is the cost itself, steadier than wall-clock
+  tokens/s when the machine's share of its host varies.
 - optionally (`--persist N`) a third arm with a persistent checkpoint every N steps as well (file://).
 
 Run: .venv/bin/python -m tests.benchmarks.snapshot_job_bench [--presets debug small] [--rounds 3]
@@ -47,13 +51,64 @@ def _spec(out: Path, preset: str, ckpt: dict[str, Any]) -> Any:
     })  # fmt: skip
 
 
+_KINDS = {"Worker": "workers", "Keeper": "keepers", "NodeAgent": "agents", "Supervisor": "supervisor"}
+
+
+def ray_cpu_s() -> dict[int, tuple[str, float]]:
+    """pid -> (kind, CPU seconds so far) of this machine's Ray processes, from /proc; kind: the actor
+    class, else "ray" (GCS, raylets, dashboard, Ray's agents)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[int, tuple[str, float]] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if cmd.startswith("ray::"):  # ray::<Class>.<method>, or ray::job-<id>/worker-<n>:<Class>.<method>
+            kind = _KINDS.get(cmd.split(" ", 1)[0].rsplit(":", 1)[-1].split(".", 1)[0], "ray")
+        elif "ray" in cmd and ("gcs_server" in cmd or "raylet" in cmd or "dashboard" in cmd):
+            kind = "ray"
+        else:
+            continue
+        out[int(d.name)] = (kind, (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def cpu_between(c0: dict[int, tuple[str, float]], c1: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds by kind spent between two ray_cpu_s() readings, by the processes alive at both (an
+    earlier job's workers still exiting at the first are not this job's)."""
+    out: dict[str, float] = {}
+    for pid, (kind, t1) in c1.items():
+        if pid in c0 and c0[pid][0] == kind:
+            out[kind] = out.get(kind, 0.0) + t1 - c0[pid][1]
+    return out
+
+
 def _job(out: Path, preset: str, ckpt: dict[str, Any]) -> dict[str, Any]:
-    """One job to the end; its steady wall-clock tokens/s and blocking times."""
+    """One job to the end; its steady wall-clock tokens/s, blocking times and CPU per steady step."""
     from tests.runtime.jobs import JobRun
 
     run = JobRun(_spec(out, preset, ckpt), job_id=f"sjb-{uuid.uuid4().hex[:6]}")
+    marks: list[tuple[int, dict[int, tuple[str, float]]]] = []  # (rows written, ray_cpu_s()) at the window's ends
+
+    def n_rows() -> int:
+        try:
+            return len(run.rows())
+        except FileNotFoundError:
+            return 0
+
     try:
-        st = run.wait(timeout_s=900)
+        while True:
+            try:
+                st = run.wait(timeout_s=0.2)
+                break
+            except TimeoutError:
+                n = n_rows()  # the window: from the steady steps' start to two steps before the end
+                if (not marks and n >= WARM[preset]) or (len(marks) == 1 and n >= STEPS[preset] - 2):
+                    marks.append((n, ray_cpu_s()))
     finally:
         run.finish()
     if st["state"] != "SUCCEEDED":
@@ -63,8 +118,12 @@ def _job(out: Path, preset: str, ckpt: dict[str, Any]) -> dict[str, Any]:
     tokens = sum(r["tokens"] for r in rows[1:])
     blocks = [r["ckpt_block_s"] for r in rows]
     steps = [r["step_time_s"] for r in rows]
+    cpu: dict[str, float] = {}
+    if len(marks) == 2 and marks[1][0] > marks[0][0]:
+        (n0, c0), (n1, c1) = marks
+        cpu = {k: v / (n1 - n0) for k, v in cpu_between(c0, c1).items()}
     return {"tps": tokens / wall, "block_med": statistics.median(blocks), "block_max": max(blocks),
-            "block_mean": statistics.fmean(blocks), "step_med": statistics.median(steps)}
+            "block_mean": statistics.fmean(blocks), "step_med": statistics.median(steps), "cpu": cpu}
 
 
 def bench_preset(tmp: Path, preset: str, rounds: int, persist: int) -> dict[str, Any]:
@@ -79,11 +138,17 @@ def bench_preset(tmp: Path, preset: str, rounds: int, persist: int) -> dict[str,
             r = _job(tmp / f"{preset}-{arm}-{i}", preset, arms[arm])
             res[arm].append(r)
             print(f"  {preset} round {i} {arm:<13} {r['tps']:>9,.0f} tok/s  step {r['step_med'] * 1e3:6.1f} ms  "
-                  f"block med {r['block_med'] * 1e3:6.2f} ms max {r['block_max'] * 1e3:6.2f} ms", flush=True)
+                  f"block med {r['block_med'] * 1e3:6.2f} ms max {r['block_max'] * 1e3:6.2f} ms  "
+                  f"CPU/step {sum(r['cpu'].values()) * 1e3:6.1f} ms", flush=True)
     out: dict[str, Any] = {"res": res}
     for arm in names[1:]:
         out[arm] = statistics.median(s["tps"] / n["tps"] for s, n in zip(res[arm], res["none"], strict=True))
     return out
+
+
+def _cpu_median(runs: list[dict[str, Any]]) -> dict[str, float]:
+    kinds = {k for r in runs for k in r["cpu"]}
+    return {k: statistics.median(r["cpu"].get(k, 0.0) for r in runs) for k in kinds}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -116,6 +181,13 @@ def main(argv: list[str] | None = None) -> None:
                   f"{statistics.median(r['block_med'] for r in runs) * 1e3:>13.2f} ms"
                   f"{statistics.median(r['block_mean'] for r in runs) * 1e3:>7.2f} ms"
                   f"{max(r['block_max'] for r in runs) * 1e3:>7.1f} ms")
+    print("CPU per steady step, all Ray processes (median over rounds), by kind:")
+    for preset, out in results.items():
+        med = {arm: _cpu_median(runs) for arm, runs in out["res"].items()}
+        for arm, cpu in med.items():
+            extra = "" if arm == "none" else "  (" + ", ".join(
+                f"{k} {(v - med['none'].get(k, 0.0)) * 1e3:+.1f}" for k, v in sorted(cpu.items())) + " ms vs none)"
+            print(f"  {preset:<7} {arm:<13} {sum(cpu.values()) * 1e3:7.1f} ms{extra}")
     print("snapshot every step through the supervisor, tokens/s over none: "
           + ", ".join(f"{p} {o['snap']:.3f}" for p, o in results.items()) + " (goal >= 0.97)")
 

@@ -184,9 +184,11 @@ class RayStartCluster:
         self.sids.append(p.pid)
 
     def add_node(self, name: str, num_cpus: int, params: dict[str, str] | None = None, *,
-                 timeout: float = 180.0) -> None:
+                 timeout: float = 60.0) -> None:
         """Start a node and wait until it has joined (one at a time: two raylets starting at once on one
-        loaded machine made one of them time out during its start-up). A start that fails so is retried."""
+        loaded machine made one of them time out during its start-up). A start that fails so is retried,
+        and so is one still not up after `timeout` (8-11 s is usual on a loaded 2-core machine; CI saw
+        `ray start` hang for 180 s and more, twice, its cause unknown: the error carries the logs)."""
         args = [f"--address={self.address}", f"--num-cpus={num_cpus}", f"--object-store-memory={200 * 1024 * 1024}",
                 *_flags(params or {})]
         tails = []

@@ -202,9 +202,15 @@ class RayStartCluster:
                     self.node_sids[name] = self.sids[-1]
                     return
                 time.sleep(0.5)
-            # A start still hanging holds its raylet and ports: gone before the next try.
+            # What the try had started (raylet? its agents?), then, still hanging, it goes with its raylet and
+            # ports before the next try.
+            procs = "; ".join(f"{pid} " + " ".join(Path(t).name for t in cmdline(pid).split()[:4])
+                              for pid in sorted(session_pids(self.sids[-1])))
             stop_sessions([self.sids[-1]], None, grace_s=2.0)
-            tails.append(f"--- {log_name}.log (rc {self.procs[-1].poll()}):\n{log.read_text(errors='replace')[-1500:]}")
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.procs[-1].wait(timeout=5)
+            tails.append(f"--- {log_name}.log (rc {self.procs[-1].poll()}; its processes: {procs or 'none'}):\n"
+                         f"{log.read_text(errors='replace')[-1500:]}")
         raise AssertionError(f"ray start of node {name} failed 3 times:\n" + "\n".join(tails))
 
     def node_alive(self, name: str) -> bool:

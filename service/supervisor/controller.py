@@ -31,6 +31,7 @@ from workers.protocol import RunStatus
 
 _START_GRACE_S = 2.0
 _SPARES_GRACE_S = 15.0  # how long a started group waits for its spares that are starting with it
+_SURVIVOR_ROWS_S = 1.0  # how long a recovery waits for the survivors' rows not yet received (idle: ms)
 
 
 @dataclass
@@ -241,8 +242,8 @@ class Controller:
         return count
 
     def _rows_from_workers(self, slots: list[Slot], timeout_s: float = 10.0) -> int:
-        """The metrics rows after the last one written, from the adopted workers (they keep their newest
-        rows: Worker.rows_after), written now in step order; how many. Per step the newest generation's row
+        """The metrics rows after the last one written, from live workers (adopted, or a recovery's
+        survivors: they keep their newest rows, Worker.rows_after), written now in step order; how many. Per step the newest generation's row
         is taken, rank 0's first; another rank's only without pipeline stages (then every rank's row is the
         same global loss). Only the unbroken run after the last row written is taken: a row is never skipped."""
         reporter = self.reporter
@@ -314,6 +315,11 @@ class Controller:
                 pool.drop(rep, "lost a member")
             else:
                 rep.state = ReplicaState.READY
+        # Rows the survivors hold that have not reached us (rank 0's last one may still be in its agent's
+        # batch) are written now: a snapshot is restored only up to the last row written, so the target
+        # can be the newest snapshot whole on the keepers rather than the one before it (a replayed step).
+        self._rows_from_workers([s for rep in active if rep.index not in lost for s in rep.slots],
+                                timeout_s=_SURVIVOR_ROWS_S)
         lost_nodes = {str((s.info or {}).get("node_id")) for s in failure.slots} \
             if failure.kind == FailureKind.NODE_DIED else set()
         pool.drop_ready_on_lost_nodes(lost_nodes)  # (the survivors are READY by now: none is on a lost node)

@@ -57,14 +57,14 @@ _KINDS = {"Worker": "workers", "Keeper": "keepers", "NodeAgent": "agents", "Supe
 def ray_cpu_s() -> dict[int, tuple[str, float]]:
     """pid -> (kind, CPU seconds so far) of this machine's Ray processes, from /proc; kind: the actor
     class, else "ray" (GCS, raylets, dashboard, Ray's agents)."""
-    tick = os.sysconf("SC_CLK_TCK")
+    from tests.benchmarks.api_bench import cpu_seconds
+
     out: dict[int, tuple[str, float]] = {}
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
         try:
             cmd = (d / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
-            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
         if cmd.startswith("ray::"):  # ray::<Class>.<method>, or ray::job-<id>/worker-<n>:<Class>.<method>
@@ -73,7 +73,9 @@ def ray_cpu_s() -> dict[int, tuple[str, float]]:
             kind = "ray"
         else:
             continue
-        out[int(d.name)] = (kind, (int(fields[11]) + int(fields[12])) / tick)
+        cpu = cpu_seconds(int(d.name))
+        if cpu == cpu:  # NaN: it exited meanwhile
+            out[int(d.name)] = (kind, cpu)
     return out
 
 

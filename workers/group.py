@@ -205,7 +205,13 @@ def rendezvous(
             _released_or_raise(generation, rank)
             raise TimeoutError(f"generation {generation}: rank {rank} was not released by its node's leader "
                                f"(rank {leader}) within {timeout_s:g}s: not every rank arrived") from e
-        _released(local_store, "rdv/go", generation, rank)
+        try:
+            _released(local_store, "rdv/go", generation, rank)
+        except RendezvousAborted:
+            raise
+        except Exception as e:  # the leader closes its relay right after releasing its node for an abort
+            raise RendezvousAborted(f"generation {generation} was aborted while rank {rank} was joining it "
+                                    f"(its node's leader, rank {leader}, released it and closed)") from e
         relay_store = RelayStore(local_store, timeout_s)
         return _Rendezvous(relay_store, local=local_store)
     master = master_store if master_store is not None else pdist.make_store(

@@ -118,7 +118,12 @@ def test_api_and_leader_failover_admit_each_job_once(tmp_path: Path) -> None:
             print(f"leader killed; the other took the lease {took_over - t_kill:.2f} s later; "
                   f"{len(admitted)} jobs admitted, {sum(admitted.values())} admissions")
             assert took_over - t_kill < 5.0
-            assert set(admitted) == set(submitted) and set(admitted.values()) == {1}
+            assert set(admitted) <= set(submitted) and set(admitted.values()) == {1}
+            # The store's write commits before the print: SIGKILL may land between them, so the killed
+            # leader may have admitted one job it never printed (the store's events below count it).
+            unprinted = set(submitted) - set(admitted)
+            assert len(unprinted) <= 1 and all(
+                e.ts < took_over for j in unprinted for e in store.events(j) if e.kind == "admitted"), unprinted
             # Only the leader admits: the survivor admitted nothing before it took over.
             assert all(float(x[2]) >= took_over for x in survivor if x[0] == "admit")
             events = Counter(e.job_id for j in submitted for e in store.events(j) if e.kind == "admitted")

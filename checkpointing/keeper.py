@@ -133,8 +133,10 @@ class Keeper:
         first use on the node's address: workers stream their snapshots there, not through Ray."""
         with self._lock:
             if self._stream is None:
+                from checkpointing import shm_segment
                 from checkpointing.shard_stream import ShardStreamServer
 
+                shm_segment.sweep()  # segments of workers that died with an earlier keeper on this node
                 host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
                 self._stream = ShardStreamServer(self.receive_shard, host)
             return (*self._stream.address, self._stream.token)

@@ -12,7 +12,10 @@ socket once, from the worker's staging buffer into the blob the keeper keeps (`r
 keeper's answer comes back on the same connection.
 
 A frame: an 8-byte length, a JSON header (job, generation, step, rank, world size, the lengths of what
-follows), the layout and extras bytes, then the blob. The answer: an 8-byte length and a JSON object,
+follows), the layout and extras bytes, then the blob. To the keeper on the worker's own node the blob
+does not cross the socket: the header names the worker's shared-memory segment (`shm`,
+checkpointing.shm_segment) and the keeper copies it from there; a keeper that cannot open it answers
+SegmentUnavailable and the worker sends that keeper the bytes instead. The answer: an 8-byte length and a JSON object,
 {"ok": true, "result": {...}} or {"ok": false, "type": ..., "error": ...}. Nothing on the wire is
 unpickled; a connection starts with the keeper's token, which a worker learns through Ray, so only a
 holder of a Ray handle to the keeper can write into it.
@@ -33,9 +36,11 @@ from typing import Any
 
 import numpy as np
 
+from checkpointing import shm_segment
+
 log = logging.getLogger("unbroken.shard_stream")
 
-__all__ = ["KeeperRefused", "ShardStream", "ShardStreamServer", "StreamBroken"]
+__all__ = ["KeeperRefused", "SegmentUnavailable", "ShardStream", "ShardStreamServer", "StreamBroken"]
 
 _LEN = struct.Struct("!Q")
 TOKEN_BYTES = 32
@@ -44,6 +49,10 @@ SOCKET_BUFFER = 4 << 20
 # Fields of a frame's header and the types they must have (the server checks each before using it).
 HEADER_FIELDS = {"job_id": str, "generation": int, "step": int, "rank": int, "world_size": int,
                  "layout": int, "extras": int, "blob": int}  # fmt: skip
+
+
+class SegmentUnavailable(OSError):
+    """The keeper cannot open the shared-memory segment a frame names (gone, or another machine's)."""
 
 
 class StreamBroken(ConnectionError):
@@ -134,26 +143,34 @@ class ShardStreamServer:
             threading.Thread(target=self._serve, args=(conn,), name="shard-stream", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        segments: dict[str, np.ndarray] = {}  # this worker's shared-memory segments, mapped once each
         with conn:
             try:
                 if not hmac.compare_digest(_recv_bytes(conn, TOKEN_BYTES), self.token.encode()):
                     log.warning("shard stream: a connection with a wrong token, closed")
                     return
                 while True:
-                    conn.sendall(_json_frame(self._one(conn)))
+                    conn.sendall(_json_frame(self._one(conn, segments)))
             except (StreamBroken, OSError):
                 return  # the worker went away (or re-formed): nothing to answer
             except Exception as e:  # noqa: BLE001 - a malformed frame: say so once, drop the connection
                 log.warning("shard stream: %s: %s; connection closed", type(e).__name__, e)
+            finally:
+                for name in segments:  # the worker is gone or done with them (a SIGKILLed one never unlinks)
+                    shm_segment.unlink(name)
 
-    def _one(self, conn: socket.socket) -> dict[str, Any]:
+    def _one(self, conn: socket.socket, segments: dict[str, np.ndarray]) -> dict[str, Any]:
         """Read one frame, store it; the answer to send back."""
         header = _recv_json(conn)
         for name, kind in HEADER_FIELDS.items():
             if not isinstance(header.get(name), kind) or (kind is int and header[name] < 0):
                 raise ValueError(f"header field {name!r} is {header.get(name)!r}: want a {kind.__name__} >= 0")
+        shm = header.get("shm")
+        if shm is not None and not (isinstance(shm, str) and shm_segment.valid_name(shm)):
+            raise ValueError(f"header field 'shm' is {shm!r}: want a snapshot segment name")
         layout = _recv_bytes(conn, header["layout"])
         extras = _recv_bytes(conn, header["extras"])
+        on_wire = shm is None  # the blob follows on the socket
         filled = False
 
         def fill(blob: np.ndarray) -> None:
@@ -161,14 +178,25 @@ class ShardStreamServer:
             filled = True
             if blob.nbytes != header["blob"]:
                 raise ValueError(f"blob of {blob.nbytes} bytes for a {header['blob']}-byte shard")
-            _recv_exact(conn, memoryview(blob).cast("B"))
+            if on_wire:
+                _recv_exact(conn, memoryview(blob).cast("B"))
+                return
+            view = segments.get(shm)
+            if view is None:
+                try:
+                    view = segments[shm] = shm_segment.open_readonly(shm)
+                except OSError as e:
+                    raise SegmentUnavailable(f"cannot open the shared-memory segment {shm}: {e}") from e
+            if view.nbytes < blob.nbytes:
+                raise ValueError(f"segment {shm} has {view.nbytes} bytes for a {blob.nbytes}-byte shard")
+            np.copyto(blob, view[: blob.nbytes])
 
         try:
             return {"ok": True, "result": self._receive(header, layout, extras, fill)}
         except StreamBroken:
             raise
         except Exception as e:  # noqa: BLE001 - refused (memory, fence): answered, the stream goes on
-            if not filled:
+            if on_wire and not filled:
                 self._drain(conn, header["blob"])
             return {"ok": False, "type": type(e).__name__, "error": str(e)}
 
@@ -198,12 +226,17 @@ class ShardStream:
             self.close()
             raise StreamBroken(f"the keeper at {address[0]}:{address[1]} hung up: {e}") from e
 
-    def send(self, header: dict[str, Any], layout: bytes, extras: bytes, blob: memoryview) -> dict[str, Any]:
-        """Send one shard and wait for the keeper's answer: its result, or KeeperRefused."""
+    def send(self, header: dict[str, Any], layout: bytes, extras: bytes, blob: memoryview,
+             shm: str | None = None) -> dict[str, Any]:  # fmt: skip
+        """Send one shard and wait for the keeper's answer: its result, or KeeperRefused. With `shm`
+        (the name of the segment `blob` lies in, from its start) the keeper copies it from there."""
         head = dict(header, layout=len(layout), extras=len(extras), blob=len(blob))
+        if shm is not None:
+            head["shm"] = shm
         try:
             self._sock.sendall(_json_frame(head) + layout + extras)
-            self._sock.sendall(blob)
+            if shm is None:
+                self._sock.sendall(blob)
             reply = _recv_json(self._sock)
         except (OSError, StreamBroken) as e:
             self.close()

@@ -19,7 +19,8 @@ waits for them on the GPU. Without `optimizer` the copy is made (CPU) or enqueue
 One sender thread then (CUDA: after the copies completed) streams the buffer to two keepers over
 connections it keeps open (checkpointing.shard_stream: one socket copy into the keeper's own memory,
 no object store), and the buffer is free again: the one on this rank's node and the next node's in
-sorted order (one copy only when there is one node; said once in the log). A keeper that died gets
+sorted order. On CPU the buffers are shared-memory segments (checkpointing.shm_segment), so this node's
+keeper copies the bytes out of the segment itself and only the other node's copy crosses a socket (one copy only when there is one node; said once in the log). A keeper that died gets
 its copy re-sent to the keeper started again under its name, else to the next one in the ring. No
 collectives: each rank plans its own shard (checkpointing.memory_storage); resharding happens at
 restore.
@@ -31,6 +32,7 @@ import contextlib
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -41,9 +43,10 @@ import torch
 from ray.actor import ActorHandle
 from ray.exceptions import RayActorError
 
+from checkpointing import shm_segment
 from checkpointing.memory_storage import ShardLayout, StagingPlan, flatten, pack_extras, slot_views
 from checkpointing.naming import NAMESPACE, keeper_name
-from checkpointing.shard_stream import KeeperRefused, ShardStream, StreamBroken
+from checkpointing.shard_stream import KeeperRefused, SegmentUnavailable, ShardStream, StreamBroken
 from checkpointing.snapshot_restore import short_error
 
 log = logging.getLogger("unbroken.snapshot")
@@ -97,13 +100,29 @@ class SnapshotHandle:
 
 
 class _HostBuffer:
-    """A host buffer (pinned for CUDA copies) with a typed view per tensor slot."""
+    """A host buffer with a typed view per tensor slot: pinned for CUDA copies; otherwise, where it can
+    be, a shared-memory segment the keeper on this node copies from (checkpointing.shm_segment)."""
 
-    def __init__(self, layout: ShardLayout, *, pin: bool) -> None:
-        self.data = torch.empty(max(layout.total_bytes, 1), dtype=torch.uint8, pin_memory=pin)
+    def __init__(self, layout: ShardLayout, *, pin: bool, shared: bool) -> None:
+        nbytes = max(layout.total_bytes, 1)
+        self.segment: shm_segment.Segment | None = None
+        if shared and not pin:
+            try:
+                self.segment = shm_segment.Segment.create(nbytes)
+            except OSError as e:  # no /dev/shm, or too small: the bytes go over the socket
+                log.warning("snapshot buffer of %d bytes not in shared memory (%s): sent over TCP", nbytes, e)
+        if self.segment is not None:
+            self.data: torch.Tensor = self.segment.tensor  # type: ignore[assignment]
+            weakref.finalize(self, self.segment.close)  # its name goes with it (a re-planned layout)
+        else:
+            self.data = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
         self.views = slot_views(self.data, layout)
         self.free = threading.Event()
         self.free.set()
+
+    def close(self) -> None:
+        if self.segment is not None:
+            self.segment.close()
 
 
 @dataclass
@@ -125,6 +144,7 @@ class _Frame:
     layout: bytes
     extras: bytes
     blob: memoryview
+    shm: str | None = None  # the shared-memory segment the blob lies in, for this node's keeper
 
 
 def _ready_event(state: dict[str, Any]) -> Any:
@@ -178,6 +198,7 @@ class SnapshotClient:
         self.copy_wait_s = 0.0  # total host time the training thread waited for snapshot copies
         self.last_result: SnapshotResult | None = None
         self._rerouted: set[str] = set()  # nodes whose dead keeper's copies went elsewhere (logged once)
+        self._shm_refused = False  # this node's keeper could not open a segment: its copies go over TCP
         if optimizer is not None:
             self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"snapshot-copy-r{rank}")
             self._hook = optimizer.register_step_pre_hook(lambda *_: self.wait_copies())
@@ -260,7 +281,7 @@ class SnapshotClient:
     def _free_buffer(self, layout: ShardLayout, *, pin: bool) -> _HostBuffer:
         """The next of the two host buffers, once the sender is done with it (s+1 is copied while s is sent)."""
         if not self._buffers:
-            self._buffers = [_HostBuffer(layout, pin=pin) for _ in range(2)]
+            self._buffers = [_HostBuffer(layout, pin=pin, shared=not self._shm_refused) for _ in range(2)]
         buf = self._buffers[self._next]
         self._next = (self._next + 1) % len(self._buffers)
         if not buf.free.wait(self.timeout_s):  # the sender is done with it (or was stopped: give up)
@@ -300,8 +321,10 @@ class SnapshotClient:
             total = staged.layout.total_bytes
             header = {"job_id": self.job_id, "generation": generation, "step": step, "rank": self.rank,
                       "world_size": self.world_size}  # fmt: skip
+            segment = staged.buffer.segment
             frame = _Frame(header, staged.layout_bytes, staged.extras,
-                           memoryview(staged.buffer.data.numpy()).cast("B")[:total])  # fmt: skip
+                           memoryview(staged.buffer.data.numpy()).cast("B")[:total],
+                           segment.name if segment is not None else None)  # fmt: skip
             res.nbytes = total + len(staged.extras) + len(staged.layout_bytes)
             dead: list[str] = []
             for node in self.targets:
@@ -339,13 +362,22 @@ class SnapshotClient:
                     held[1].close()
                 host, port, token = ray.get(handle.stream_address.remote(), timeout=self.timeout_s)
                 held = self._conns[node] = (handle, ShardStream((host, port), token, self.timeout_s))
+            shm = frame.shm if node == self.node_name and not self._shm_refused else None
             try:
-                held[1].send(frame.header, frame.layout, frame.extras, frame.blob)
+                held[1].send(frame.header, frame.layout, frame.extras, frame.blob, shm=shm)
                 return
             except StreamBroken:  # (a KeeperRefused is the keeper's answer: it goes up as it is)
                 self._conns.pop(node, None)
                 if attempt:
                     raise
+            except KeeperRefused as e:
+                if e.kind != SegmentUnavailable.__name__:
+                    raise
+                self._shm_refused = True  # e.g. a keeper in another container: this one, and later ones, by TCP
+                log.warning("snapshot rank %d: the keeper on %s cannot read shared memory (%s); sending it the "
+                            "bytes", self.rank, node, e)
+                self._deliver(node, handle, frame)
+                return
 
     def _resend(self, node: str, frame: _Frame, res: SnapshotResult) -> str | None:
         """The copy meant for `node`'s dead keeper: to the keeper started again there (the supervisor
@@ -378,6 +410,8 @@ class SnapshotClient:
         for _handle, stream in self._conns.values():
             stream.close()
         self._conns.clear()
+        for buf in self._buffers:
+            buf.close()
 
     def abandon(self) -> None:
         """After a failure: remove the optimizer hook and stop the threads without waiting (a copy or

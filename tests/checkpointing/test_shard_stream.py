@@ -1,18 +1,24 @@
 """The snapshot wire (checkpointing.shard_stream) between a real Keeper object and a client, over real
 loopback sockets, without Ray: a shard lands byte for byte in the keeper's memory; a refusal (memory
 full, a stale generation) comes back with the keeper's own error and the connection stays usable; a
-wrong token or a malformed header gets the connection closed and nothing stored."""
+wrong token or a malformed header gets the connection closed and nothing stored; the keeper on the
+worker's own node copies the shard out of the worker's shared-memory segment."""
 
 from __future__ import annotations
 
 import json
 import socket
 import struct
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from checkpointing import shm_segment
 from checkpointing.keeper import Keeper
 from checkpointing.shard_stream import KeeperRefused, ShardStream, StreamBroken
 
@@ -77,3 +83,59 @@ def test_a_wrong_token_or_a_bad_header_stores_nothing(keeper: Keeper) -> None:
     with pytest.raises(StreamBroken):  # nobody listens there any more
         keeper._stream.close()
         ShardStream((host, port), token, timeout_s=2).send(_header(), b"", b"", memoryview(b"x"))
+
+
+def test_this_nodes_keeper_copies_a_shard_from_shared_memory(keeper: Keeper) -> None:
+    """The blob stays off the socket: the keeper copies it out of the worker's segment, keeps its own copy,
+    and unlinks the segment's name once the worker hangs up; a name it cannot open is refused (the worker
+    then sends the bytes) and the connection goes on; a name not of ours closes the connection."""
+    seg = shm_segment.Segment.create(300_000)
+    data = seg.tensor.numpy()
+    data[:] = np.random.default_rng(1).integers(0, 255, size=data.size, dtype=np.uint8)
+    s = _stream(keeper)
+    s.send(_header(step=1), b"l", b"e", memoryview(data), shm=seg.name)
+    held = keeper._get("j", 0, 1, 0).blob
+    assert np.array_equal(held, data) and held.ctypes.data != data.ctypes.data
+    data[:10] = 7  # the worker's next step overwrites its buffer: the kept copy is the keeper's own
+    assert not np.array_equal(held[:10], data[:10])
+    s.send(_header(step=2), b"l", b"e", memoryview(data[:1000]), shm=seg.name)  # a prefix: mapped once
+    assert np.array_equal(keeper._get("j", 0, 2, 0).blob, data[:1000])
+
+    gone = shm_segment.Segment.create(10)
+    gone.close()  # unlinked: the keeper cannot open it
+    with pytest.raises(KeeperRefused) as e:
+        s.send(_header(step=3), b"", b"", memoryview(data[:10]), shm=gone.name)
+    assert e.value.kind == "SegmentUnavailable"
+    s.send(_header(step=3), b"", b"", memoryview(data[:10]))  # the same connection, the bytes over it
+    assert keeper.held("j", 0, 3) == [0]
+
+    s.close()  # the worker hangs up: its segment's name goes (its pages with the last mapping)
+    deadline = time.monotonic() + 10
+    while (shm_segment.SHM_DIR / seg.name).exists():
+        assert time.monotonic() < deadline, "the keeper never unlinked the segment of a worker that hung up"
+        time.sleep(0.05)
+
+    host, port, token = keeper.stream_address()
+    with socket.create_connection((host, port), timeout=5) as raw:  # a path, not a segment name
+        raw.sendall(token.encode())
+        body = json.dumps({**_header(step=4), "layout": 0, "extras": 0, "blob": 4, "shm": "../etc/passwd"})
+        raw.sendall(struct.pack("!Q", len(body)) + body.encode())
+        assert raw.recv(1) == b""
+    assert keeper.held("j", 0, 4) == []
+
+
+def test_a_dead_workers_segments_are_swept() -> None:
+    """A SIGKILLed worker never unlinks its segments: a keeper starting on the node unlinks those whose
+    process is gone, and leaves a live process's alone."""
+    child = subprocess.run([sys.executable, "-c", "from checkpointing.shm_segment import Segment; "
+                            "print(Segment.create(4096).name)"], capture_output=True, text=True, check=True,
+                           cwd=Path(__file__).resolve().parents[2])  # fmt: skip
+    dead = child.stdout.strip()
+    mine = shm_segment.Segment.create(4096)
+    try:
+        assert (shm_segment.SHM_DIR / dead).exists()
+        assert shm_segment.sweep() >= 1
+        assert not (shm_segment.SHM_DIR / dead).exists() and (shm_segment.SHM_DIR / mine.name).exists()
+    finally:
+        mine.close()
+        shm_segment.unlink(dead)

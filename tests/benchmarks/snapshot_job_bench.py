@@ -22,6 +22,7 @@ Run: .venv/bin/python -m tests.benchmarks.snapshot_job_bench [--presets debug sm
 from __future__ import annotations
 
 import argparse
+import bisect
 import os
 import statistics
 import tempfile
@@ -89,41 +90,48 @@ def cpu_between(c0: dict[int, tuple[str, float]], c1: dict[int, tuple[str, float
     return out
 
 
+def step_position(ends: list[float], t: float) -> float:
+    """How many steps were done at time t, by linear interpolation between the steps' end times (sorted):
+    a CPU reading between two step ends counts the part of the step in progress."""
+    i = bisect.bisect_right(ends, t)
+    if i == 0 or i == len(ends):
+        return float(i)
+    return i + (t - ends[i - 1]) / max(ends[i] - ends[i - 1], 1e-9)
+
+
 def _job(out: Path, preset: str, ckpt: dict[str, Any]) -> dict[str, Any]:
     """One job to the end; its steady wall-clock tokens/s, blocking times and CPU per steady step."""
     from tests.runtime.jobs import JobRun
 
     run = JobRun(_spec(out, preset, ckpt), job_id=f"sjb-{uuid.uuid4().hex[:6]}")
-    marks: list[tuple[int, dict[int, tuple[str, float]]]] = []  # (rows written, ray_cpu_s()) at the window's ends
-
-    def n_rows() -> int:
-        try:
-            return len(run.rows())
-        except FileNotFoundError:
-            return 0
-
+    # CPU readings with their times: a row reaches the store up to a second after its step ended (the
+    # agents batch them), so the window is placed by the steps' own end times, not by when rows arrive.
+    readings: list[tuple[float, dict[int, tuple[str, float]]]] = []
     try:
         while True:
             try:
                 st = run.wait(timeout_s=0.2)
                 break
             except TimeoutError:
-                n = n_rows()  # the window: from the steady steps' start to two steps before the end
-                if (not marks and n >= WARM[preset]) or (len(marks) == 1 and n >= STEPS[preset] - 2):
-                    marks.append((n, ray_cpu_s()))
+                readings.append((time.time(), ray_cpu_s()))
     finally:
         run.finish()
     if st["state"] != "SUCCEEDED":
         raise RuntimeError(f"job {run.job_id} ({preset}, {ckpt}) ended {st['state']}: {run.events[-3:]}")
-    rows = run.rows()[WARM[preset]:]
+    all_rows = run.rows()
+    rows = all_rows[WARM[preset]:]
     wall = rows[-1]["end_time"] - rows[0]["end_time"]
     tokens = sum(r["tokens"] for r in rows[1:])
     blocks = [r["ckpt_block_s"] for r in rows]
     steps = [r["step_time_s"] for r in rows]
+    ends = [r["end_time"] for r in all_rows]
+    window = [(t, c) for t, c in readings if rows[0]["end_time"] <= t <= rows[-2]["end_time"]]
     cpu: dict[str, float] = {}
-    if len(marks) == 2 and marks[1][0] > marks[0][0]:
-        (n0, c0), (n1, c1) = marks
-        cpu = {k: v / (n1 - n0) for k, v in cpu_between(c0, c1).items()}
+    if len(window) >= 2:  # the first and last reading inside the steady steps, per step done between them
+        (t0, c0), (t1, c1) = window[0], window[-1]
+        done = step_position(ends, t1) - step_position(ends, t0)
+        if done > 0:
+            cpu = {k: v / done for k, v in cpu_between(c0, c1).items()}
     return {"tps": tokens / wall, "block_med": statistics.median(blocks), "block_max": max(blocks),
             "block_mean": statistics.fmean(blocks), "step_med": statistics.median(steps), "cpu": cpu}
 

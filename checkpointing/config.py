@@ -38,6 +38,9 @@ class CheckpointConfig(BaseModel):
     heal_from_peer: bool = Field(True, description="with data-parallel replicas (HSDP, DDP), one rank of each "
                                  "replica group reads a snapshot at a restore and the others take it from it over "
                                  "the group; false: every rank reads the keepers")
+    snapshot_shared_memory: bool = Field(True, description="CPU ranks hand their snapshot to their own node's "
+                                         "keeper through a /dev/shm segment; false: over its socket, as to the "
+                                         "other node's")
     resume: bool = Field(
         True, description="start from the newest valid checkpoint of this job's own, if any (never another job's)"
     )

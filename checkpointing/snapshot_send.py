@@ -167,10 +167,12 @@ class SnapshotClient:
         *,
         optimizer: torch.optim.Optimizer | None = None,
         timeout_s: float = 120.0,
+        shared_memory: bool = True,
     ) -> None:
         """With `optimizer`, the copy overlaps the next step's forward/backward (parameters and
         optimizer state change only in optimizer.step(), whose pre-hook waits for the copy); without
-        it, snapshot() copies (CPU) or enqueues the copies (CUDA) before returning."""
+        it, snapshot() copies (CPU) or enqueues the copies (CUDA) before returning. `shared_memory`: CPU
+        buffers are /dev/shm segments this node's keeper copies from (else it is sent the bytes)."""
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} world_size={world_size}: need 0 <= rank < world_size")
         if not job_id:
@@ -198,7 +200,9 @@ class SnapshotClient:
         self.copy_wait_s = 0.0  # total host time the training thread waited for snapshot copies
         self.last_result: SnapshotResult | None = None
         self._rerouted: set[str] = set()  # nodes whose dead keeper's copies went elsewhere (logged once)
-        self._shm_refused = False  # this node's keeper could not open a segment: its copies go over TCP
+        # False: this node's keeper gets its copy over the socket too (shared_memory off, or it could not
+        # open a segment)
+        self._shared = shared_memory
         if optimizer is not None:
             self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"snapshot-copy-r{rank}")
             self._hook = optimizer.register_step_pre_hook(lambda *_: self.wait_copies())
@@ -281,7 +285,7 @@ class SnapshotClient:
     def _free_buffer(self, layout: ShardLayout, *, pin: bool) -> _HostBuffer:
         """The next of the two host buffers, once the sender is done with it (s+1 is copied while s is sent)."""
         if not self._buffers:
-            self._buffers = [_HostBuffer(layout, pin=pin, shared=not self._shm_refused) for _ in range(2)]
+            self._buffers = [_HostBuffer(layout, pin=pin, shared=self._shared) for _ in range(2)]
         buf = self._buffers[self._next]
         self._next = (self._next + 1) % len(self._buffers)
         if not buf.free.wait(self.timeout_s):  # the sender is done with it (or was stopped: give up)
@@ -362,7 +366,7 @@ class SnapshotClient:
                     held[1].close()
                 host, port, token = ray.get(handle.stream_address.remote(), timeout=self.timeout_s)
                 held = self._conns[node] = (handle, ShardStream((host, port), token, self.timeout_s))
-            shm = frame.shm if node == self.node_name and not self._shm_refused else None
+            shm = frame.shm if node == self.node_name and self._shared else None
             try:
                 held[1].send(frame.header, frame.layout, frame.extras, frame.blob, shm=shm)
                 return
@@ -373,7 +377,7 @@ class SnapshotClient:
             except KeeperRefused as e:
                 if e.kind != SegmentUnavailable.__name__:
                     raise
-                self._shm_refused = True  # e.g. a keeper in another container: this one, and later ones, by TCP
+                self._shared = False  # e.g. a keeper in another container: this copy, and later ones, by TCP
                 log.warning("snapshot rank %d: the keeper on %s cannot read shared memory (%s); sending it the "
                             "bytes", self.rank, node, e)
                 self._deliver(node, handle, frame)

@@ -74,7 +74,8 @@ class Tiers:
 
             # With the optimizer: the copy overlaps the next forward/backward; its step waits for it.
             self.snap = SnapshotClient(worker.opts.job_id, rank, world_size, worker.node_name, self.keepers,
-                                       optimizer=self.optimizer, timeout_s=max(30.0, timeout_s))
+                                       optimizer=self.optimizer, timeout_s=max(30.0, timeout_s),
+                                       shared_memory=cc.snapshot_shared_memory)
         self._waited_seen = 0.0
         self._snap_in_flight: Any = None  # the last snapshot's handle, until its send is done
 

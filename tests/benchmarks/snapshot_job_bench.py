@@ -14,7 +14,9 @@ falls on both. Per preset (debug, small):
   kind: workers, keepers, node agents, supervisor, and Ray's own daemons. On 2 cores every CPU-second
   the snapshot path spends is taken from training, so this is the cost itself, steadier than wall-clock
   tokens/s when the machine's share of its host varies.
-- optionally (`--persist N`) a third arm with a persistent checkpoint every N steps as well (file://).
+- optionally (`--tcp`) an arm whose copy to its own node's keeper goes over the socket rather than
+  shared memory (`checkpoint.snapshot_shared_memory: false`), and (`--persist N`) an arm with a
+  persistent checkpoint every N steps as well (file://).
 
 Run: .venv/bin/python -m tests.benchmarks.snapshot_job_bench [--presets debug small] [--rounds 3]
 """
@@ -136,8 +138,10 @@ def _job(out: Path, preset: str, ckpt: dict[str, Any]) -> dict[str, Any]:
             "block_mean": statistics.fmean(blocks), "step_med": statistics.median(steps), "cpu": cpu}
 
 
-def bench_preset(tmp: Path, preset: str, rounds: int, persist: int) -> dict[str, Any]:
+def bench_preset(tmp: Path, preset: str, rounds: int, persist: int, tcp: bool) -> dict[str, Any]:
     arms: dict[str, dict[str, Any]] = {"none": {"in_memory_every": 0}, "snap": {"in_memory_every": 1}}
+    if tcp:
+        arms["snap-tcp"] = {"in_memory_every": 1, "snapshot_shared_memory": False}
     if persist:
         arms["snap+persist"] = {"in_memory_every": 1, "persist_every": persist}
     names = list(arms)
@@ -166,6 +170,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--presets", nargs="+", default=["debug", "small"], choices=sorted(STEPS))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--persist", type=int, default=0, help="also a third arm persisting every N steps")
+    ap.add_argument("--tcp", action="store_true", help="also an arm whose own-node copy goes over the socket "
+                    "(checkpoint.snapshot_shared_memory: false), to weigh the shared-memory hand-over")
     args = ap.parse_args([] if argv is None else argv)
     from service.local_cluster import LocalCluster
 
@@ -178,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
         cluster.add_node("b", num_cpus=1)
         cluster.connect()
         for preset in args.presets:
-            results[preset] = bench_preset(Path(d), preset, args.rounds, args.persist)
+            results[preset] = bench_preset(Path(d), preset, args.rounds, args.persist, args.tcp)
     print(f"\n({time.perf_counter() - t0:.0f}s; load average {os.getloadavg()[0]:.1f} at the end, "
           f"{load0:.1f} at the start: other work on this machine shares its {os.cpu_count()} cores)")
     print(f"{'preset':<8}{'arm':<14}{'tok/s (median)':>16}{'ratio vs none':>15}{'block/step med':>16}"

@@ -15,8 +15,8 @@ A frame: an 8-byte length, a JSON header (job, generation, step, rank, world siz
 follows), the layout and extras bytes, then the blob. To the keeper on the worker's own node the blob
 does not cross the socket: the header names the worker's shared-memory segment (`shm`,
 checkpointing.shm_segment) and the keeper copies it from there; a keeper that cannot open it answers
-SegmentUnavailable and the worker sends that keeper the bytes instead. The answer: an 8-byte length and a JSON object,
-{"ok": true, "result": {...}} or {"ok": false, "type": ..., "error": ...}. Nothing on the wire is
+SegmentUnavailable and the worker sends that keeper the bytes instead. The answer: an 8-byte length
+and a JSON object, {"ok": true, "result": {...}} or {"ok": false, "type": ..., "error": ...}. Nothing on the wire is
 unpickled; a connection starts with the keeper's token, which a worker learns through Ray, so only a
 holder of a Ray handle to the keeper can write into it.
 """
@@ -51,7 +51,7 @@ HEADER_FIELDS = {"job_id": str, "generation": int, "step": int, "rank": int, "wo
                  "layout": int, "extras": int, "blob": int}  # fmt: skip
 
 
-class SegmentUnavailable(OSError):
+class SegmentUnavailable(RuntimeError):
     """The keeper cannot open the shared-memory segment a frame names (gone, or another machine's)."""
 
 

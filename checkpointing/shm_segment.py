@@ -4,7 +4,7 @@
     seg.tensor                          # a uint8 torch tensor over it (the staging buffer)
     seg.name                            # what the keeper is told
     view = open_readonly(seg.name)      # keeper: a read-only numpy view of the same pages
-    seg.close()                         # worker: unlink the name (the pages live while a mapping does)
+    seg.close()                         # worker: unlink the name (also when seg is collected)
     sweep()                             # keeper: unlink the segments of processes that are gone
 
 Why: streaming a shard to the keeper on the same node costs a kernel copy out of the worker, TCP's
@@ -26,6 +26,7 @@ import mmap
 import os
 import re
 import secrets
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -43,11 +44,13 @@ def valid_name(name: str) -> bool:
 
 
 class Segment:
-    """A worker's segment: created, reserved and mapped; `close()` unlinks its name."""
+    """A worker's segment: created, reserved and mapped; its name is unlinked by `close()` or when the
+    object is collected, whichever comes first."""
 
     def __init__(self, name: str, tensor: object) -> None:
         self.name = name
         self.tensor = tensor  # torch.Tensor (uint8, 1-D); typed loosely so the keeper side needs no torch
+        self.close = weakref.finalize(self, unlink, name)  # runs once
 
     @classmethod
     def create(cls, nbytes: int) -> Segment:
@@ -72,11 +75,6 @@ class Segment:
             raise
         return cls(name, tensor)
 
-    def close(self) -> None:
-        """Unlink the name; the pages go when the last mapping (this tensor, a keeper's view) does."""
-        with contextlib.suppress(OSError):
-            (SHM_DIR / self.name).unlink()
-
 
 def open_readonly(name: str) -> np.ndarray:
     """A read-only uint8 view of a worker's segment. ValueError for a name not of ours; OSError when it
@@ -93,7 +91,8 @@ def open_readonly(name: str) -> np.ndarray:
 
 
 def unlink(name: str) -> None:
-    """Unlink a segment's name (a keeper, once the worker that made it hung up)."""
+    """Unlink a segment's name; its pages go when the last mapping does (a worker's tensor, a keeper's
+    view)."""
     if valid_name(name):
         with contextlib.suppress(OSError):
             (SHM_DIR / name).unlink()
@@ -106,7 +105,6 @@ def sweep() -> int:
         for path in SHM_DIR.iterdir():
             m = _NAME.match(path.name)
             if m and not Path(f"/proc/{m.group(1)}").exists():
-                with contextlib.suppress(OSError):
-                    path.unlink()
-                    n += 1
+                unlink(path.name)
+                n += 1
     return n

@@ -19,8 +19,9 @@ waits for them on the GPU. Without `optimizer` the copy is made (CPU) or enqueue
 One sender thread then (CUDA: after the copies completed) streams the buffer to two keepers over
 connections it keeps open (checkpointing.shard_stream: one socket copy into the keeper's own memory,
 no object store), and the buffer is free again: the one on this rank's node and the next node's in
-sorted order. On CPU the buffers are shared-memory segments (checkpointing.shm_segment), so this node's
-keeper copies the bytes out of the segment itself and only the other node's copy crosses a socket (one copy only when there is one node; said once in the log). A keeper that died gets
+sorted order (one copy only when there is one node; said once in the log). On CPU the buffers are
+shared-memory segments (checkpointing.shm_segment): this node's keeper copies the bytes out of the
+segment itself, and only the other node's copy crosses a socket. A keeper that died gets
 its copy re-sent to the keeper started again under its name, else to the next one in the ring. No
 collectives: each rank plans its own shard (checkpointing.memory_storage); resharding happens at
 restore.
@@ -32,7 +33,6 @@ import contextlib
 import logging
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -113,7 +113,6 @@ class _HostBuffer:
                 log.warning("snapshot buffer of %d bytes not in shared memory (%s): sent over TCP", nbytes, e)
         if self.segment is not None:
             self.data: torch.Tensor = self.segment.tensor  # type: ignore[assignment]
-            weakref.finalize(self, self.segment.close)  # its name goes with it (a re-planned layout)
         else:
             self.data = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
         self.views = slot_views(self.data, layout)

@@ -138,8 +138,15 @@ def abort_rendezvous(generation: int) -> None:
 
 
 def _released(store: dist.Store, key: str, generation: int, rank: int) -> None:
-    """After a wait on `key` returned: leave if it was an abort's release, not the barrier's."""
-    if aborted(generation) or store.get(key) == ABORTED:
+    """After a wait on `key` returned: leave if it was an abort's release, not the barrier's. A store that
+    cannot be read once the key is set was closed by its host right after releasing it, which only an
+    abort does (a released group keeps its stores for its lifetime)."""
+    try:
+        value = None if aborted(generation) else store.get(key)
+    except Exception as e:  # noqa: BLE001 - the host released and closed: an abort
+        raise RendezvousAborted(f"generation {generation} was aborted while rank {rank} was joining it "
+                                "(its store closed after the release)") from e
+    if value is None or value == ABORTED:
         raise RendezvousAborted(f"generation {generation} was aborted while rank {rank} was joining it")
 
 
@@ -205,13 +212,7 @@ def rendezvous(
             _released_or_raise(generation, rank)
             raise TimeoutError(f"generation {generation}: rank {rank} was not released by its node's leader "
                                f"(rank {leader}) within {timeout_s:g}s: not every rank arrived") from e
-        try:
-            _released(local_store, "rdv/go", generation, rank)
-        except RendezvousAborted:
-            raise
-        except Exception as e:  # the leader closes its relay right after releasing its node for an abort
-            raise RendezvousAborted(f"generation {generation} was aborted while rank {rank} was joining it "
-                                    f"(its node's leader, rank {leader}, released it and closed)") from e
+        _released(local_store, "rdv/go", generation, rank)
         relay_store = RelayStore(local_store, timeout_s)
         return _Rendezvous(relay_store, local=local_store)
     master = master_store if master_store is not None else pdist.make_store(

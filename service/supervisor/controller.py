@@ -245,7 +245,8 @@ class Controller:
         """The metrics rows after the last one written, from live workers (adopted, or a recovery's
         survivors: they keep their newest rows, Worker.rows_after), written now in step order; how many.
         Per step the newest generation's row is taken, rank 0's first; another rank's only without pipeline
-        stages (then every rank's row is the same global loss). Only the unbroken run after the last row written is taken: a row is never skipped."""
+        stages (then every rank's row is the same global loss). Only the unbroken run after the last row
+        written is taken: a row is never skipped."""
         reporter = self.reporter
         after = reporter.last_row_step
         if not slots:

@@ -127,9 +127,10 @@ def test_this_nodes_keeper_copies_a_shard_from_shared_memory(keeper: Keeper) -> 
 def test_a_dead_workers_segments_are_swept() -> None:
     """A SIGKILLed worker never unlinks its segments: a keeper starting on the node unlinks those whose
     process is gone, and leaves a live process's alone."""
-    child = subprocess.run([sys.executable, "-c", "from checkpointing.shm_segment import Segment; "
-                            "print(Segment.create(4096).name)"], capture_output=True, text=True, check=True,
-                           cwd=Path(__file__).resolve().parents[2])  # fmt: skip
+    child = subprocess.run([sys.executable, "-c", "import os, signal; from checkpointing.shm_segment import Segment; "
+                            "s = Segment.create(4096); print(s.name, flush=True); os.kill(os.getpid(), signal.SIGKILL)"],
+                           capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])  # fmt: skip
+    assert child.returncode == -9, child.stderr
     dead = child.stdout.strip()
     mine = shm_segment.Segment.create(4096)
     try:

@@ -337,8 +337,9 @@ class Keeper:
             return freed
 
     def memory_report(self) -> dict[str, Any]:
-        """{"node", "limit_bytes", "used_bytes", "pool_bytes", "refused",
-        "jobs": {job: {"bytes", "shards", "committed"}}}; pool_bytes: freed blobs kept for reuse."""
+        """{"node", "limit_bytes", "used_bytes", "pool_bytes", "refused", "frames",
+        "jobs": {job: {"bytes", "shards", "committed"}}}; pool_bytes: freed blobs kept for reuse;
+        frames: {"shared_memory", "socket"}, the shards streamed in so far by how their bytes came."""
         with self._lock:
             jobs: dict[str, dict[str, Any]] = {}
             for (j, g, s, r), sh in self._shards.items():
@@ -349,8 +350,10 @@ class Keeper:
                 e["shards"].append((g, s, r))
             for e in jobs.values():
                 e["shards"].sort()
+            frames = dict(self._stream.frames) if self._stream is not None else {"shared_memory": 0, "socket": 0}
             return {"node": self.node, "limit_bytes": self.limit, "used_bytes": self.used,
-                    "pool_bytes": self.pool_bytes, "refused": self._refused, "jobs": jobs}  # fmt: skip
+                    "pool_bytes": self.pool_bytes, "refused": self._refused, "frames": frames,
+                    "jobs": jobs}  # fmt: skip
 
     def ping(self) -> str:
         return self.node

@@ -123,6 +123,9 @@ class ShardStreamServer:
         self._sock = socket.create_server((host, 0), backlog=64)
         self.address: tuple[str, int] = (host, int(self._sock.getsockname()[1]))
         self._closed = False
+        # Frames stored, by how their bytes came: "shared_memory" (the worker's segment) or "socket".
+        self.frames = {"shared_memory": 0, "socket": 0}
+        self._frames_lock = threading.Lock()
         threading.Thread(target=self._accept, name="shard-stream-accept", daemon=True).start()
 
     def close(self) -> None:
@@ -192,13 +195,16 @@ class ShardStreamServer:
             np.copyto(blob, view[: blob.nbytes])
 
         try:
-            return {"ok": True, "result": self._receive(header, layout, extras, fill)}
+            result = self._receive(header, layout, extras, fill)
         except StreamBroken:
             raise
         except Exception as e:  # noqa: BLE001 - refused (memory, fence): answered, the stream goes on
             if on_wire and not filled:
                 self._drain(conn, header["blob"])
             return {"ok": False, "type": type(e).__name__, "error": str(e)}
+        with self._frames_lock:
+            self.frames["socket" if on_wire else "shared_memory"] += 1
+        return {"ok": True, "result": result}
 
     @staticmethod
     def _drain(conn: socket.socket, n: int) -> None:

@@ -47,6 +47,10 @@ class Keeper(BaseModel):
     used_bytes: int
     jobs: dict[str, KeeperJob] = Field(description="by job id; only jobs visible to the caller")
     other_jobs_bytes: int = Field(0, description="memory held for jobs the caller may not see")
+    frames_shared_memory: int = Field(0, description="shards streamed in from its own node's workers "
+                                      "through shared memory, since the keeper started")
+    frames_socket: int = Field(0, description="shards streamed in over TCP (other nodes' workers, or "
+                               "a worker whose segment it could not open)")
 
 
 class Node(BaseModel):
@@ -147,8 +151,10 @@ def _keeper(report: dict[str, Any], visible: set[str] | None) -> Keeper:
                                      committed=[list(map(int, c)) for c in e.get("committed", [])])
         else:
             hidden += int(e.get("bytes", 0))
+    frames = report.get("frames") or {}
     return Keeper(limit_bytes=int(report.get("limit_bytes", 0)), used_bytes=int(report.get("used_bytes", 0)),
-                  jobs=jobs, other_jobs_bytes=hidden)
+                  jobs=jobs, other_jobs_bytes=hidden, frames_shared_memory=int(frames.get("shared_memory", 0)),
+                  frames_socket=int(frames.get("socket", 0)))
 
 
 def _dashboard_url() -> str | None:
@@ -185,15 +191,18 @@ def _ray_view(visible: set[str] | None) -> tuple[list[Node], dict[str, dict[str,
             per_node.setdefault(node_id, {})[job_id] = per_node.get(node_id, {}).get(job_id, 0) + 1
             where = label.get(node_id, node_id[:12])
             per_job.setdefault(job_id, {})[where] = per_job.get(job_id, {}).get(where, 0) + 1
-    names = [label[n["NodeID"]] for n in nodes_raw if n.get("Alive") and _node_name(n.get("Resources") or {})]
-    reports = _keeper_reports(names)
+    from checkpointing.nodes import node_name_of  # imports ray: only where Ray is read
+
+    # Keepers are named by node_name_of, also for nodes without our resource (a `ray start` cluster's).
+    keeper_of = {n["NodeID"]: node_name_of(n) for n in nodes_raw if n.get("Alive")}
+    reports = _keeper_reports(list(keeper_of.values()))
     nodes = []
     for n in sorted(nodes_raw, key=lambda n: (not n.get("Alive"), label[n["NodeID"]])):
         total = n.get("Resources") or {}
         alive = bool(n.get("Alive"))
         free = free_by_node.get(n["NodeID"], {}) if alive else {}
         name = _node_name(total)
-        report = reports.get(name) if name else None
+        report = reports.get(keeper_of.get(n["NodeID"], ""))
         nodes.append(Node(
             node_id=n["NodeID"], name=name, address=str(n.get("NodeManagerAddress", "")), alive=alive,
             cpus=_res(total, free, "CPU"), gpus=_res(total, free, "GPU"), memory_bytes=float(total.get("memory", 0)),

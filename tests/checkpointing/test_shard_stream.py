@@ -64,6 +64,7 @@ def test_a_shard_lands_byte_for_byte_and_refusals_keep_the_connection(keeper: Ke
     s.send(_header(gen=3, step=4, rank=1), b"l", b"e", memoryview(blob[:1000]))
     assert keeper.held("j", 3, 4) == [1]
     assert sorted(keeper.memory_report()["jobs"]["j"]["shards"]) == [(3, 4, 1)]  # the fence dropped step 1
+    assert keeper.memory_report()["frames"] == {"shared_memory": 0, "socket": 2}  # refusals not counted
     s.close()
 
 
@@ -108,6 +109,8 @@ def test_this_nodes_keeper_copies_a_shard_from_shared_memory(keeper: Keeper) -> 
     assert e.value.kind == "SegmentUnavailable"
     s.send(_header(step=3), b"", b"", memoryview(data[:10]))  # the same connection, the bytes over it
     assert keeper.held("j", 0, 3) == [0]
+    # Counted by how the bytes came (the refusal is not a frame stored).
+    assert keeper.memory_report()["frames"] == {"shared_memory": 2, "socket": 1}
 
     s.close()  # the worker hangs up: its segment's name goes (its pages with the last mapping)
     deadline = time.monotonic() + 10

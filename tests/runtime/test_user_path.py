@@ -2,9 +2,10 @@
 KubeRay manifests start one), a real `unbroken serve --address` process, the SDK, REST and the CLI.
 
 A 4-worker job on two nodes loses a worker: it recovers from the keepers' memory (the `recovered`
-event's source), loses no step, and its losses equal one process's on the same data (batch
-invariance). A second job submitted with the same spec gets a folder of its own and starts at step 1,
-and `unbroken logs -f` shows its workers' output while it runs.
+event's source), replays at most the one step whose snapshot was in flight, and its losses equal one
+process's on the same data (batch invariance). The keepers took their own node's copies through shared
+memory (their frame counts in GET /v1/cluster). A second job submitted with the same spec gets a folder
+of its own and starts at step 1, and `unbroken logs -f` shows its workers' output while it runs.
 
 On the cluster the KubeRay manifests start, the job is three whole replicas (HSDP 3 x 1) with one hot
 spare: the spare takes the killed rank's place (dp stays 3), the survivors train on in the same
@@ -78,7 +79,9 @@ def _run_user_path(tmp: Path, cluster: RayStartCluster, *, second_job: bool, spa
         recovered = [e for e in events if e.kind == "recovered"]
         assert len(recovered) == 1, kinds
         data = recovered[0].data or {}
-        assert data["lost_steps"] == 0, recovered[0].message
+        # The kill comes right after step 5, whose snapshot may still be on its way to the keepers: then
+        # that one step is replayed (the bound of in_memory_every: 1), never more.
+        assert data["lost_steps"] <= 1, recovered[0].message
         assert "from memory" in recovered[0].message and "None" not in recovered[0].message
         if spare:
             _check_spare_swap(events, data)
@@ -99,6 +102,12 @@ def _run_user_path(tmp: Path, cluster: RayStartCluster, *, second_job: bool, spa
         headers = {"Authorization": f"Bearer {client.token}"}
         got = httpx.get(f"{serve.url}/v1/jobs/{job.id}", headers=headers, timeout=30).json()
         assert got["status"] == "SUCCEEDED"
+        # The keepers of both worker nodes took their own node's copies through shared memory, the other
+        # node's over TCP (a fallback to TCP only logs a warning: this shows the shared path was taken).
+        cluster_view = httpx.get(f"{serve.url}/v1/cluster", headers=headers, timeout=30).json()
+        keepers = {n["node_id"]: n["keeper"] for n in cluster_view["nodes"] if n.get("keeper")}
+        via_shm = [name for name, k in keepers.items() if k["frames_shared_memory"] > 0]
+        assert len(via_shm) >= 2 and sum(k["frames_socket"] for k in keepers.values()) > 0, keepers
         if node_loss:
             _lose_a_pod(tmp, cluster, client)
         if not second_job:
@@ -130,7 +139,7 @@ def _run_user_path(tmp: Path, cluster: RayStartCluster, *, second_job: bool, spa
 def _lose_a_pod(tmp: Path, cluster: RayStartCluster, client: Any) -> None:
     """A 4-worker job on both pods; at step 4 the pod the supervisor is not on is deleted (every process of
     it SIGKILLed, its raylet and keeper with it). The job goes on at dp 2 on the other pod from the keepers'
-    memory, loses no step and keeps one process's losses."""
+    memory, replays at most one step and keeps one process's losses."""
     slow = [{"kind": "slow_worker", "step": 0, "rank": 0, "seconds": 0.4}]  # time to act mid-job
     job = client.submit(job_spec("pod-lost", slow))
     deadline = time.monotonic() + 300
@@ -151,7 +160,7 @@ def _lose_a_pod(tmp: Path, cluster: RayStartCluster, client: Any) -> None:
     assert len(recovered) == 1, [e.kind for e in events]
     data = recovered[0].data or {}
     print(f"\npod lost: {failures[0].message} {recovered[0].message}")
-    assert data["lost_steps"] == 0 and data["source"] == ["keepers"], recovered[0].message
+    assert data["lost_steps"] <= 1 and data["source"] == ["keepers"], recovered[0].message  # as above
     rows = client.metrics(job.id)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert rows[0]["dp"] == 4 and rows[-1]["dp"] == 2, [r["dp"] for r in rows]

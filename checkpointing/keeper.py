@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import ray
@@ -45,6 +45,9 @@ from checkpointing.nodes import (  # noqa: F401
     node_ids_by_name,
     node_name_of,
 )
+
+if TYPE_CHECKING:
+    from checkpointing.shard_stream import Lend
 
 log = logging.getLogger("unbroken.keeper")
 
@@ -71,6 +74,10 @@ class _Shard:
     world_size: int
     received_at: float
     readers: int = 0  # get_blob calls copying the blob out: it must not be reused meanwhile
+    # A blob that is the worker's shared-memory segment (kept, not copied): called once it is freed and
+    # no reader copies it, so the worker may write into the segment again (shard_stream's `released`).
+    release: Callable[[], None] | None = None
+    freed: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -142,11 +149,13 @@ class Keeper:
             return (*self._stream.address, self._stream.token)
 
     def receive_shard(
-        self, header: dict[str, Any], layout: bytes, extras: bytes, fill: Callable[[np.ndarray], None]
-    ) -> dict[str, Any]:
-        """Store one shard from the stream: `fill(blob)` reads its bytes into the blob kept."""
+        self, header: dict[str, Any], layout: bytes, extras: bytes, fill: Callable[[np.ndarray], None],
+        lend: Lend | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """Store one shard from the stream: `fill(blob)` reads its bytes into the blob kept; with `lend`,
+        the worker's segment itself is kept (lend() -> (its bytes, release))."""
         return self._store(header["job_id"], header["generation"], header["step"], header["rank"],
-                           header["world_size"], layout, extras, header["blob"], fill)  # fmt: skip
+                           header["world_size"], layout, extras, header["blob"], fill, lend)  # fmt: skip
 
     def put_shard(
         self, job_id: str, generation: int, step: int, rank: int, world_size: int,
@@ -173,8 +182,10 @@ class Keeper:
     def _store(
         self, job_id: str, generation: int, step: int, rank: int, world_size: int,
         layout: bytes, extras: bytes, blob_bytes: int, fill: Callable[[np.ndarray], None],
+        lend: Lend | None = None,
     ) -> dict[str, Any]:  # fmt: skip
-        """Reserve room (or refuse: fence, memory), let `fill` write the blob outside the lock, keep it."""
+        """Reserve room (or refuse: fence, memory), let `fill` write the blob outside the lock (or take the
+        lent segment as it is), keep it."""
         key = (job_id, int(generation), int(step), int(rank))
         size = int(blob_bytes) + len(layout) + len(extras)
         with self._lock:
@@ -196,12 +207,16 @@ class Keeper:
                     f"snapshots are in flight, or shard the state over more ranks/nodes)"
                 )
             self.used += size  # reserve before copying (a replaced old copy is released at the swap)
-            blob = self._take(int(blob_bytes))
+            blob = self._take(int(blob_bytes)) if lend is None else None
         try:
-            if blob is None:
-                blob = np.empty(int(blob_bytes), dtype=np.uint8)
-            fill(blob)
-            shard = _Shard(blob, layout, extras, int(world_size), time.time())
+            if lend is not None:
+                blob, release = lend()
+                shard = _Shard(blob, layout, extras, int(world_size), time.time(), release=release)
+            else:
+                if blob is None:
+                    blob = np.empty(int(blob_bytes), dtype=np.uint8)
+                fill(blob)
+                shard = _Shard(blob, layout, extras, int(world_size), time.time())
         except BaseException:
             with self._lock:
                 self.used -= size
@@ -210,7 +225,7 @@ class Keeper:
             replaced = self._shards.get(key)
             if replaced is not None:
                 self.used -= replaced.nbytes
-                self._pool_blob(replaced)
+                self._free_blob(replaced)
             self._shards[key] = shard
             # A commit may have happened meanwhile that makes this shard obsolete.
             self._apply_retention(job_id)
@@ -270,10 +285,17 @@ class Keeper:
             if (newest is not None and sid < newest) or key[1] < fence:
                 shard = self._shards.pop(key)
                 self.used -= shard.nbytes
-                self._pool_blob(shard)
+                self._free_blob(shard)
 
-    def _pool_blob(self, shard: _Shard) -> None:
-        """Keep a freed shard's blob for reuse if nobody reads it and it fits (caller holds the lock)."""
+    def _free_blob(self, shard: _Shard) -> None:
+        """A freed shard's blob: a kept segment goes back to its worker once nobody reads it; else the
+        blob is kept for reuse if nobody reads it and it fits (caller holds the lock)."""
+        shard.freed = True
+        if shard.release is not None:
+            if shard.readers == 0:
+                shard.release()
+                shard.release = None
+            return
         blob = shard.blob
         if shard.readers == 0 and self.used + self.pool_bytes + blob.nbytes <= self.limit:
             self._pool.setdefault(int(blob.nbytes), []).append(blob)
@@ -310,8 +332,14 @@ class Keeper:
         try:
             return [ray.put(shard.blob)]
         finally:
-            with self._lock:
-                shard.readers -= 1
+            self._read_done(shard)
+
+    def _read_done(self, shard: _Shard) -> None:
+        with self._lock:
+            shard.readers -= 1
+            if shard.freed and shard.readers == 0 and shard.release is not None:
+                shard.release()  # a kept segment freed while it was read: its worker gets it back now
+                shard.release = None
 
     def _get(self, job_id: str, generation: int, step: int, rank: int) -> _Shard:
         with self._lock:
@@ -328,7 +356,9 @@ class Keeper:
         with self._lock:
             freed = 0
             for key in [k for k in self._shards if k[0] == job_id]:
-                freed += self._shards.pop(key).nbytes
+                shard = self._shards.pop(key)
+                freed += shard.nbytes
+                self._free_blob(shard)
             self.used -= freed
             self._pool.clear()  # give the memory back (the pool is only a cache)
             self.pool_bytes = 0
@@ -339,7 +369,8 @@ class Keeper:
     def memory_report(self) -> dict[str, Any]:
         """{"node", "limit_bytes", "used_bytes", "pool_bytes", "refused", "frames",
         "jobs": {job: {"bytes", "shards", "committed"}}}; pool_bytes: freed blobs kept for reuse;
-        frames: {"shared_memory", "socket"}, the shards streamed in so far by how their bytes came."""
+        frames: the shards streamed in so far by how their bytes came: {"kept" (the worker's segment kept
+        as it is), "shared_memory" (copied out of it), "socket"}."""
         with self._lock:
             jobs: dict[str, dict[str, Any]] = {}
             for (j, g, s, r), sh in self._shards.items():
@@ -350,7 +381,7 @@ class Keeper:
                 e["shards"].append((g, s, r))
             for e in jobs.values():
                 e["shards"].sort()
-            frames = dict(self._stream.frames) if self._stream is not None else {"shared_memory": 0, "socket": 0}
+            frames = dict(self._stream.frames) if self._stream is not None else {}
             return {"node": self.node, "limit_bytes": self.limit, "used_bytes": self.used,
                     "pool_bytes": self.pool_bytes, "refused": self._refused, "frames": frames,
                     "jobs": jobs}  # fmt: skip

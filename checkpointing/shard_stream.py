@@ -46,6 +46,9 @@ _LEN = struct.Struct("!Q")
 TOKEN_BYTES = 32
 MAX_HEADER = 1 << 20  # a header is a few hundred bytes; more means a confused peer
 SOCKET_BUFFER = 4 << 20
+# Segments a keeper keeps at once for one connection (as its shards' bytes, no copy): the two committed
+# snapshots it retains, the one awaiting its commit and the one arriving. Past that it copies them.
+MAX_KEPT = 4
 # Fields of a frame's header and the types they must have (the server checks each before using it).
 HEADER_FIELDS = {"job_id": str, "generation": int, "step": int, "rank": int, "world_size": int,
                  "layout": int, "extras": int, "blob": int}  # fmt: skip
@@ -106,7 +109,39 @@ def _json_frame(obj: dict[str, Any]) -> bytes:
 
 
 # ---------------------------------------------------------------------- the keeper's end
-Receive = Callable[[dict[str, Any], bytes, bytes, Callable[[np.ndarray], None]], dict[str, Any]]
+# receive(header, layout, extras, fill, lend): lend is None, or (for a frame whose segment the keeper
+# keeps) a callable returning (the segment's bytes, release), release to be called once they are freed.
+Lend = Callable[[], tuple[np.ndarray, Callable[[], None]]]
+Receive = Callable[[dict[str, Any], bytes, bytes, Callable[[np.ndarray], None], Lend | None], dict[str, Any]]
+
+
+class _Kept:
+    """The segments one connection's worker lent its keeper: how many it keeps now (at most MAX_KEPT)
+    and those it freed since the last answer, which carries them so the worker may write into them
+    again. A shard is freed on the keeper's own threads (a commit, a drop), hence the lock."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._released: list[str] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> bool:
+        """Room for one more kept segment (then counted), or False: copy this one."""
+        with self._lock:
+            if self.count >= MAX_KEPT:
+                return False
+            self.count += 1
+            return True
+
+    def give_back(self, name: str) -> None:
+        with self._lock:
+            self.count -= 1
+            self._released.append(name)
+
+    def drain(self) -> list[str]:
+        with self._lock:
+            out, self._released = self._released, []
+        return out
 
 
 class ShardStreamServer:
@@ -123,8 +158,9 @@ class ShardStreamServer:
         self._sock = socket.create_server((host, 0), backlog=64)
         self.address: tuple[str, int] = (host, int(self._sock.getsockname()[1]))
         self._closed = False
-        # Frames stored, by how their bytes came: "shared_memory" (the worker's segment) or "socket".
-        self.frames = {"shared_memory": 0, "socket": 0}
+        # Frames stored, by how their bytes came: "kept" (the worker's segment itself, no copy),
+        # "shared_memory" (copied out of it) or "socket".
+        self.frames = {"kept": 0, "shared_memory": 0, "socket": 0}
         self._frames_lock = threading.Lock()
         threading.Thread(target=self._accept, name="shard-stream-accept", daemon=True).start()
 
@@ -147,13 +183,16 @@ class ShardStreamServer:
 
     def _serve(self, conn: socket.socket) -> None:
         segments: dict[str, np.ndarray] = {}  # this worker's shared-memory segments, mapped once each
+        kept = _Kept()  # the segments this worker lent the keeper
         with conn:
             try:
                 if not hmac.compare_digest(_recv_bytes(conn, TOKEN_BYTES), self.token.encode()):
                     log.warning("shard stream: a connection with a wrong token, closed")
                     return
                 while True:
-                    conn.sendall(_json_frame(self._one(conn, segments)))
+                    answer = self._one(conn, segments, kept)
+                    answer["released"] = kept.drain()
+                    conn.sendall(_json_frame(answer))
             except (StreamBroken, OSError):
                 return  # the worker went away (or re-formed): nothing to answer
             except Exception as e:  # noqa: BLE001 - a malformed frame: say so once, drop the connection
@@ -162,7 +201,7 @@ class ShardStreamServer:
                 for name in segments:  # the worker is gone or done with them (a SIGKILLed one never unlinks)
                     shm_segment.unlink(name)
 
-    def _one(self, conn: socket.socket, segments: dict[str, np.ndarray]) -> dict[str, Any]:
+    def _one(self, conn: socket.socket, segments: dict[str, np.ndarray], kept: _Kept) -> dict[str, Any]:
         """Read one frame, store it; the answer to send back."""
         header = _recv_json(conn)
         for name, kind in HEADER_FIELDS.items():
@@ -171,10 +210,25 @@ class ShardStreamServer:
         shm = header.get("shm")
         if shm is not None and not (isinstance(shm, str) and shm_segment.valid_name(shm)):
             raise ValueError(f"header field 'shm' is {shm!r}: want a snapshot segment name")
+        keep = header.get("keep", False)
+        if not isinstance(keep, bool) or (keep and shm is None):
+            raise ValueError(f"header field 'keep' is {keep!r}: want true (only with 'shm') or false")
         layout = _recv_bytes(conn, header["layout"])
         extras = _recv_bytes(conn, header["extras"])
+        keep = keep and kept.take()  # else the keeper copies it (it keeps MAX_KEPT at most)
         on_wire = shm is None  # the blob follows on the socket
         filled = False
+
+        def mapped() -> np.ndarray:
+            view = segments.get(shm)
+            if view is None:
+                try:
+                    view = segments[shm] = shm_segment.open_readonly(shm)
+                except OSError as e:
+                    raise SegmentUnavailable(f"cannot open the shared-memory segment {shm}: {e}") from e
+            if view.nbytes < header["blob"]:
+                raise ValueError(f"segment {shm} has {view.nbytes} bytes for a {header['blob']}-byte shard")
+            return view[: header["blob"]]
 
         def fill(blob: np.ndarray) -> None:
             nonlocal filled
@@ -184,27 +238,24 @@ class ShardStreamServer:
             if on_wire:
                 _recv_exact(conn, memoryview(blob).cast("B"))
                 return
-            view = segments.get(shm)
-            if view is None:
-                try:
-                    view = segments[shm] = shm_segment.open_readonly(shm)
-                except OSError as e:
-                    raise SegmentUnavailable(f"cannot open the shared-memory segment {shm}: {e}") from e
-            if view.nbytes < blob.nbytes:
-                raise ValueError(f"segment {shm} has {view.nbytes} bytes for a {blob.nbytes}-byte shard")
-            np.copyto(blob, view[: blob.nbytes])
+            np.copyto(blob, mapped())
+
+        def lend() -> tuple[np.ndarray, Callable[[], None]]:
+            return mapped(), lambda: kept.give_back(shm)
 
         try:
-            result = self._receive(header, layout, extras, fill)
+            result = self._receive(header, layout, extras, fill, lend if keep else None)
         except StreamBroken:
             raise
         except Exception as e:  # noqa: BLE001 - refused (memory, fence): answered, the stream goes on
+            if keep:
+                kept.give_back(shm)  # not kept after all: the worker may write into it again
             if on_wire and not filled:
                 self._drain(conn, header["blob"])
             return {"ok": False, "type": type(e).__name__, "error": str(e)}
         with self._frames_lock:
-            self.frames["socket" if on_wire else "shared_memory"] += 1
-        return {"ok": True, "result": result}
+            self.frames["socket" if on_wire else "kept" if keep else "shared_memory"] += 1
+        return {"ok": True, "result": result, "kept": keep}
 
     @staticmethod
     def _drain(conn: socket.socket, n: int) -> None:
@@ -226,6 +277,8 @@ class ShardStream:
             raise StreamBroken(f"cannot connect to the keeper at {address[0]}:{address[1]}: {e}") from e
         _tune(self._sock)
         self.address = address
+        self.released: list[str] = []  # kept segments the keeper has freed (the caller drains it)
+        self.kept = False  # whether the keeper kept the last shard's segment (asked for with `keep`)
         try:
             self._sock.sendall(token.encode())
         except OSError as e:
@@ -233,12 +286,17 @@ class ShardStream:
             raise StreamBroken(f"the keeper at {address[0]}:{address[1]} hung up: {e}") from e
 
     def send(self, header: dict[str, Any], layout: bytes, extras: bytes, blob: memoryview,
-             shm: str | None = None) -> dict[str, Any]:  # fmt: skip
+             shm: str | None = None, keep: bool = False) -> dict[str, Any]:  # fmt: skip
         """Send one shard and wait for the keeper's answer: its result, or KeeperRefused. With `shm`
-        (the name of the segment `blob` lies in, from its start) the keeper copies it from there."""
+        (the name of the segment `blob` lies in, from its start) the keeper copies it from there; with
+        `keep` as well it may keep the segment itself as the shard's bytes (no copy; `kept` says whether it
+        did, up to MAX_KEPT at once): then the segment must not be written until its name comes back in
+        `released` (names added by every answer)."""
         head = dict(header, layout=len(layout), extras=len(extras), blob=len(blob))
         if shm is not None:
             head["shm"] = shm
+            if keep:
+                head["keep"] = True
         try:
             self._sock.sendall(_json_frame(head) + layout + extras)
             if shm is None:
@@ -247,8 +305,10 @@ class ShardStream:
         except (OSError, StreamBroken) as e:
             self.close()
             raise StreamBroken(f"the keeper at {self.address[0]}:{self.address[1]}: {e}") from e
+        self.released.extend(str(n) for n in reply.get("released") or ())
         if not reply.get("ok"):
             raise KeeperRefused(str(reply.get("type")), str(reply.get("error")))
+        self.kept = bool(reply.get("kept"))
         return dict(reply.get("result") or {})
 
     def close(self) -> None:

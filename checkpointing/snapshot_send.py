@@ -46,10 +46,11 @@ from ray.exceptions import RayActorError
 from checkpointing import shm_segment
 from checkpointing.memory_storage import ShardLayout, StagingPlan, flatten, pack_extras, slot_views
 from checkpointing.naming import NAMESPACE, keeper_name
-from checkpointing.shard_stream import KeeperRefused, SegmentUnavailable, ShardStream, StreamBroken
+from checkpointing.shard_stream import MAX_KEPT, KeeperRefused, SegmentUnavailable, ShardStream, StreamBroken
 from checkpointing.snapshot_restore import short_error
 
 log = logging.getLogger("unbroken.snapshot")
+
 
 __all__ = ["SnapshotClient", "SnapshotHandle", "SnapshotResult", "replica_nodes"]
 
@@ -116,8 +117,9 @@ class _HostBuffer:
         else:
             self.data = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
         self.views = slot_views(self.data, layout)
-        self.free = threading.Event()
+        self.free = threading.Event()  # the sender is done with it
         self.free.set()
+        self.lent = False  # this node's keeper keeps the segment as a shard's bytes: not written till released
 
     def close(self) -> None:
         if self.segment is not None:
@@ -143,7 +145,7 @@ class _Frame:
     layout: bytes
     extras: bytes
     blob: memoryview
-    shm: str | None = None  # the shared-memory segment the blob lies in, for this node's keeper
+    buffer: _HostBuffer  # where the blob lies (a shared-memory segment, for this node's keeper, or not)
 
 
 def _ready_event(state: dict[str, Any]) -> Any:
@@ -189,8 +191,9 @@ class SnapshotClient:
             )
         self._plan = StagingPlan()  # the layout and source tensors, kept while the state has the same tensors
         self._buffers: list[_HostBuffer] = []  # made on first use, again when the layout changes
+        self._buffer_lock = threading.Lock()  # the buffers' `lent` (sender) against their choice (copier)
+        self._buffer_freed = threading.Event()  # a send ended or the keeper gave segments back
         self._conns: dict[str, tuple[ActorHandle, ShardStream]] = {}  # node -> its keeper's open stream
-        self._next = 0
         self._streams: dict[Any, Any] = {}  # device -> side torch.cuda.Stream
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"snapshot-r{rank}")
         self._copier: ThreadPoolExecutor | None = None
@@ -264,7 +267,8 @@ class SnapshotClient:
         flat, _ = flatten(state)
         plan = self._plan
         if plan.update(state, flat):
-            self._buffers = []
+            with self._buffer_lock:
+                self._buffers = []  # (segments the keeper keeps stay mapped there)
         layout, sources = plan.layout, plan.sources
         assert layout is not None
         extras = pack_extras(flat, layout)
@@ -282,15 +286,27 @@ class SnapshotClient:
         return _Staged(layout, plan.layout_bytes, extras, buf, done)
 
     def _free_buffer(self, layout: ShardLayout, *, pin: bool) -> _HostBuffer:
-        """The next of the two host buffers, once the sender is done with it (s+1 is copied while s is sent)."""
-        if not self._buffers:
-            self._buffers = [_HostBuffer(layout, pin=pin, shared=self._shared) for _ in range(2)]
-        buf = self._buffers[self._next]
-        self._next = (self._next + 1) % len(self._buffers)
-        if not buf.free.wait(self.timeout_s):  # the sender is done with it (or was stopped: give up)
-            raise TimeoutError(f"no snapshot buffer came free within {self.timeout_s:.0f}s")
-        buf.free.clear()
-        return buf
+        """A host buffer the sender is done with and this node's keeper does not keep (s+1 is copied
+        while s is sent). Two to start with; more as the keeper keeps segments, at most MAX_KEPT + 2:
+        then at least two are not kept (the keeper keeps MAX_KEPT at most, and says so in the answer that
+        hands one back), and one of them is not being sent, so this never waits on the keeper."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            self._buffer_freed.clear()  # before looking: a send that ends after this wakes the wait below
+            with self._buffer_lock:
+                if not self._buffers:
+                    self._buffers = [_HostBuffer(layout, pin=pin, shared=self._shared) for _ in range(2)]
+                ready = [b for b in self._buffers if not b.lent and b.free.is_set()]
+                if not ready and len(self._buffers) < MAX_KEPT + 2 and any(b.lent for b in self._buffers):
+                    self._buffers.append(_HostBuffer(layout, pin=pin, shared=self._shared))
+                    ready = self._buffers[-1:]
+                if ready:
+                    buf = ready[0]
+                    buf.free.clear()
+                    return buf
+            # the sender frees one when its send ends (it sets the event after every send: _send)
+            if not self._buffer_freed.wait(max(0.0, deadline - time.monotonic())):
+                raise TimeoutError(f"no snapshot buffer came free within {self.timeout_s:.0f}s")
 
     def _copy_cuda(self, buf: _HostBuffer, sources: list[torch.Tensor], ready: Any, device: torch.device) -> Any:
         """Enqueue the device-to-host copies into the pinned buffer on a side stream (after `ready`);
@@ -324,10 +340,8 @@ class SnapshotClient:
             total = staged.layout.total_bytes
             header = {"job_id": self.job_id, "generation": generation, "step": step, "rank": self.rank,
                       "world_size": self.world_size}  # fmt: skip
-            segment = staged.buffer.segment
             frame = _Frame(header, staged.layout_bytes, staged.extras,
-                           memoryview(staged.buffer.data.numpy()).cast("B")[:total],
-                           segment.name if segment is not None else None)  # fmt: skip
+                           memoryview(staged.buffer.data.numpy()).cast("B")[:total], staged.buffer)  # fmt: skip
             res.nbytes = total + len(staged.extras) + len(staged.layout_bytes)
             dead: list[str] = []
             for node in self.targets:
@@ -347,6 +361,7 @@ class SnapshotClient:
                     res.acked.append(took)
         finally:
             staged.buffer.free.set()
+            self._buffer_freed.set()
         res.ok = not res.errors
         res.send_s = time.perf_counter() - t0
         if not res.ok:
@@ -365,9 +380,13 @@ class SnapshotClient:
                     held[1].close()
                 host, port, token = ray.get(handle.stream_address.remote(), timeout=self.timeout_s)
                 held = self._conns[node] = (handle, ShardStream((host, port), token, self.timeout_s))
-            shm = frame.shm if node == self.node_name and self._shared else None
+            segment = frame.buffer.segment
+            shm = segment.name if segment is not None and node == self.node_name and self._shared else None
             try:
-                held[1].send(frame.header, frame.layout, frame.extras, frame.blob, shm=shm)
+                held[1].send(frame.header, frame.layout, frame.extras, frame.blob, shm=shm, keep=shm is not None)
+                if shm is not None and held[1].kept:
+                    with self._buffer_lock:
+                        frame.buffer.lent = True
                 return
             except StreamBroken:  # (a KeeperRefused is the keeper's answer: it goes up as it is)
                 self._conns.pop(node, None)
@@ -381,6 +400,19 @@ class SnapshotClient:
                             "bytes", self.rank, node, e)
                 self._deliver(node, handle, frame)
                 return
+            finally:
+                self._take_back(held[1])
+
+    def _take_back(self, stream: ShardStream) -> None:
+        """The segments the keeper freed (their names came with its answers) may be written again."""
+        if not stream.released:
+            return
+        names, stream.released = set(stream.released), []
+        with self._buffer_lock:
+            for b in self._buffers:
+                if b.segment is not None and b.segment.name in names:
+                    b.lent = False
+        self._buffer_freed.set()
 
     def _resend(self, node: str, frame: _Frame, res: SnapshotResult) -> str | None:
         """The copy meant for `node`'s dead keeper: to the keeper started again there (the supervisor

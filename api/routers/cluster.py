@@ -49,6 +49,8 @@ class Keeper(BaseModel):
     other_jobs_bytes: int = Field(0, description="memory held for jobs the caller may not see")
     frames_shared_memory: int = Field(0, description="shards streamed in from its own node's workers "
                                       "through shared memory, since the keeper started")
+    frames_kept: int = Field(0, description="of those, shards whose shared-memory segment the keeper kept as "
+                             "it was (no copy)")
     frames_socket: int = Field(0, description="shards streamed in over TCP (other nodes' workers, or "
                                "a worker whose segment it could not open)")
 
@@ -153,7 +155,8 @@ def _keeper(report: dict[str, Any], visible: set[str] | None) -> Keeper:
             hidden += int(e.get("bytes", 0))
     frames = report.get("frames") or {}
     return Keeper(limit_bytes=int(report.get("limit_bytes", 0)), used_bytes=int(report.get("used_bytes", 0)),
-                  jobs=jobs, other_jobs_bytes=hidden, frames_shared_memory=int(frames.get("shared_memory", 0)),
+                  jobs=jobs, other_jobs_bytes=hidden, frames_kept=int(frames.get("kept", 0)),
+                  frames_shared_memory=int(frames.get("kept", 0)) + int(frames.get("shared_memory", 0)),
                   frames_socket=int(frames.get("socket", 0)))
 
 

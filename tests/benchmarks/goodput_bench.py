@@ -262,6 +262,7 @@ def run_ours(tmp: Path, cluster: Any, faults: list[Fault], spares: int = 0) -> O
                            f"unbroken job ended {st['state']}: {st.get('reason')}; supervisor traceback: "
                            f"{tb[-1500:]}; events by kind: {dict(kinds)}")
     rows = run.rows()
+    (tmp / "events.json").write_text(json.dumps(run.events, default=str, indent=1))  # beside its metrics
     steps = [(int(r["step"]), float(r["end_time"]), float(r["loss"])) for r in rows]
     lost = sum(int(e["data"].get("lost_steps") or 0) for e in run.of("recovered"))
     _ensure_node_b(cluster)
@@ -400,6 +401,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=2026)
     ap.add_argument("--only", nargs="*", default=list(ARMS), choices=ARMS)
     ap.add_argument("--steps", type=int, default=STEPS, help=f"job length (the benchmark's is {STEPS})")
+    ap.add_argument("--keep", type=Path, default=None,
+                    help="keep each run's folder (metrics.jsonl, events) under this folder, for a closer look")
     args = ap.parse_args([] if argv is None else argv)
     _set_steps(args.steps)
     from service.local_cluster import LocalCluster
@@ -412,7 +415,7 @@ def main(argv: list[str] | None = None) -> None:
     why: dict[str, str] = {}  # arms that did not run, and why
     with tempfile.TemporaryDirectory(prefix="goodput_bench_") as d, \
             LocalCluster(head_cpus=NODE_CPUS, object_store_mb=300) as cluster:  # fmt: skip
-        tmp = Path(d)
+        tmp = args.keep or Path(d)
         cluster.add_node("b", num_cpus=NODE_CPUS)
         cluster.connect()
         # (run dir, faults, the arm's fault-free outcome or None) -> (outcome, note)

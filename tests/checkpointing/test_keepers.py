@@ -36,6 +36,7 @@ from checkpointing.keepers import (
     latest_committed,
     memory_reports,
 )
+from checkpointing.shard_stream import MAX_KEPT
 from checkpointing.snapshot import SnapshotClient, SnapshotLost, restore_from_keepers
 from service.local_cluster import LocalCluster, free_port
 from tests.checkpointing.keeper_ranks import RankActor
@@ -81,6 +82,22 @@ def _keepers_alone(keepers: dict[str, ray.actor.ActorHandle]) -> None:
     assert torch.equal(got["w"], torch.ones(1000)) and torch.equal(w.detach(), torch.zeros(1000))
     hooked.abandon()
     opt.step()
+
+    # The keeper on the client's node keeps its segments as the shards' bytes (no copy) and hands each
+    # back once retention frees it: over many snapshots the client reuses a bounded set of buffers, and
+    # both retained snapshots read back as they were sent (no later snapshot was written over them).
+    kept = SnapshotClient("fenced", 0, 1, "head", keepers)
+    before = memory_reports(keepers)["head"]["frames"]["kept"]
+    for step in range(9, 21):
+        res = kept.snapshot({"w": torch.full((1000,), float(step))}, step=step, generation=3).result(timeout=60)
+        assert res.ok and commit_snapshot(keepers, "fenced", 3, step, 1), res
+    assert 2 <= len(kept._buffers) <= MAX_KEPT + 2, len(kept._buffers)
+    for step in (19, 20):
+        got = {"w": torch.zeros(1000)}
+        restore_from_keepers(keepers, "fenced", got, step=step, generation=3)
+        assert torch.equal(got["w"], torch.full((1000,), float(step))), (step, got["w"][:3])
+    assert memory_reports(keepers)["head"]["frames"]["kept"] - before == 12  # every one: it retains 2, keeps 4
+    kept.close()
 
     # drop_job frees everything the job held.
     reports = memory_reports(keepers)

@@ -2,7 +2,8 @@
 loopback sockets, without Ray: a shard lands byte for byte in the keeper's memory; a refusal (memory
 full, a stale generation) comes back with the keeper's own error and the connection stays usable; a
 wrong token or a malformed header gets the connection closed and nothing stored; the keeper on the
-worker's own node copies the shard out of the worker's shared-memory segment."""
+worker's own node copies the shard out of the worker's shared-memory segment, or keeps the segment
+itself and hands it back once the shard is freed."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import pytest
 
 from checkpointing import shm_segment
 from checkpointing.keeper import Keeper
-from checkpointing.shard_stream import KeeperRefused, ShardStream, StreamBroken
+from checkpointing.shard_stream import MAX_KEPT, KeeperRefused, ShardStream, StreamBroken
 
 
 @pytest.fixture
@@ -64,7 +65,7 @@ def test_a_shard_lands_byte_for_byte_and_refusals_keep_the_connection(keeper: Ke
     s.send(_header(gen=3, step=4, rank=1), b"l", b"e", memoryview(blob[:1000]))
     assert keeper.held("j", 3, 4) == [1]
     assert sorted(keeper.memory_report()["jobs"]["j"]["shards"]) == [(3, 4, 1)]  # the fence dropped step 1
-    assert keeper.memory_report()["frames"] == {"shared_memory": 0, "socket": 2}  # refusals not counted
+    assert keeper.memory_report()["frames"] == {"kept": 0, "shared_memory": 0, "socket": 2}  # refusals: not
     s.close()
 
 
@@ -110,7 +111,7 @@ def test_this_nodes_keeper_copies_a_shard_from_shared_memory(keeper: Keeper) -> 
     s.send(_header(step=3), b"", b"", memoryview(data[:10]))  # the same connection, the bytes over it
     assert keeper.held("j", 0, 3) == [0]
     # Counted by how the bytes came (the refusal is not a frame stored).
-    assert keeper.memory_report()["frames"] == {"shared_memory": 2, "socket": 1}
+    assert keeper.memory_report()["frames"] == {"kept": 0, "shared_memory": 2, "socket": 1}
 
     s.close()  # the worker hangs up: its segment's name goes (its pages with the last mapping)
     deadline = time.monotonic() + 10
@@ -125,6 +126,46 @@ def test_this_nodes_keeper_copies_a_shard_from_shared_memory(keeper: Keeper) -> 
         raw.sendall(struct.pack("!Q", len(body)) + body.encode())
         assert raw.recv(1) == b""
     assert keeper.held("j", 0, 4) == []
+
+
+def test_this_nodes_keeper_keeps_a_segment_and_hands_it_back_once_freed(keeper: Keeper) -> None:
+    """With `keep` the shard's bytes are the worker's segment itself (no copy: a write into it shows in the
+    keeper's shard). Retention freeing the shard hands the segment back in the next answer; a shard being
+    read when it is freed is handed back when its reader is done, not before."""
+    one, two = shm_segment.Segment.create(100_000), shm_segment.Segment.create(100_000)
+    a, b = one.tensor.numpy(), two.tensor.numpy()
+    a[:], b[:] = 3, 4
+    s = _stream(keeper)
+    s.send(_header(step=1), b"l", b"e", memoryview(a), shm=one.name, keep=True)
+    assert s.kept
+    held = keeper._get("j", 0, 1, 0).blob
+    assert np.array_equal(held, a)
+    a[:5] = 9  # the same pages (a worker writes into a kept segment only once it is handed back)
+    assert held[:5].tolist() == [9] * 5
+    s.send(_header(step=2), b"l", b"e", memoryview(b), shm=two.name, keep=True)
+    blob = np.full(1000, 7, dtype=np.uint8)
+    for step in (1, 2, 3):
+        keeper.commit("j", 0, step)
+    # Committed 2 and 3 are retained, 1 freed: its segment comes back with the next answer.
+    assert s.released == []
+    s.send(_header(step=4), b"", b"", memoryview(blob))
+    assert s.released == [one.name]
+    reading = keeper._shards[("j", 0, 2, 0)]
+    reading.readers += 1  # a restore is copying shard 2 out (get_blob)
+    keeper.commit("j", 0, 4)  # frees it: not handed back while it is read
+    s.send(_header(step=5), b"", b"", memoryview(blob))
+    assert s.released == [one.name]
+    keeper._read_done(reading)  # the reader is done
+    s.send(_header(step=6), b"", b"", memoryview(blob))
+    assert s.released == [one.name, two.name]
+    assert keeper.memory_report()["frames"] == {"kept": 2, "shared_memory": 0, "socket": 3}
+
+    # It keeps MAX_KEPT at most for one worker; past that it copies (and says so).
+    extra = [shm_segment.Segment.create(1000) for _ in range(MAX_KEPT + 1)]
+    for i, seg in enumerate(extra):
+        s.send(_header(gen=1, step=i), b"", b"", memoryview(seg.tensor.numpy()), shm=seg.name, keep=True)
+        assert s.kept == (i < MAX_KEPT), i
+    s.close()
 
 
 def test_a_dead_workers_segments_are_swept() -> None:

@@ -71,6 +71,7 @@ RANK_CPUS = 0.33  # three ranks a node: the 4 ranks and one spare fit on the two
 ARMS = ("unbroken", "unbroken+spare", "torchft", "raytrain")
 TORCHFT_TIMEOUTS = (1.0, 2.0, 5.0)
 RAYTRAIN_CAP_X, RAYTRAIN_START_S = 1.5, 60.0  # Ray Train's faulty run stops past 1.5 x fault-free + 60 s
+RAYTRAIN_GRACE_S = 120.0  # past the cap, the driver waits this long for the ranks to stop, then gives up
 MODEL = {"dim": 64, "n_layers": 2, "n_heads": 4, "vocab_size": 256, "max_seq_len": 64}
 TRAINING = {"steps": STEPS, "seq_len": 32, "global_batch_size": 8, "warmup_steps": 5}
 WORLD = 4
@@ -348,12 +349,19 @@ def run_raytrain(tmp: Path, cluster: Any, faults: list[Fault], cap_s: float | No
 
     fitting = threading.Thread(target=fit, daemon=True)
     fitting.start()
+    given_up: float | None = None  # when the driver stopped waiting for a run past its cap
     try:
         while fitting.is_alive():  # the main thread brings lost nodes back
             if inj is not None:
                 inj.tick()
                 if time.time() > deadline:  # past the cap: no more faults while the ranks stop
                     inj.stop()
+            if time.time() > deadline + RAYTRAIN_GRACE_S:
+                # No group reached a step boundary since the cap (each restart still starting, or
+                # waiting for capacity): the ranks' check never runs. Stop waiting; the cluster's
+                # teardown stops its actors.
+                given_up = time.time()
+                break
             fitting.join(0.5)
         if errors:
             raise errors[0]
@@ -370,9 +378,12 @@ def run_raytrain(tmp: Path, cluster: Any, faults: list[Fault], cap_s: float | No
     steps = [seen[s] for s in sorted(seen) if stop is None or s <= int(stop["step"])]  # past the restored
     # step at the stop: done once, then lost to the last restart
     _ensure_node_b(cluster)
-    end = float(stop["stopped"]) if stop else steps[-1][1]
+    end = float(stop["stopped"]) if stop else given_up or steps[-1][1]
     why = (f"stopped at the cap ({cap_s:.0f}s after the start) after step {stop['step']} of {STEPS}"
            if stop else "")
+    if stop is None and given_up is not None:
+        why = (f"no step boundary within {RAYTRAIN_GRACE_S:.0f}s past the cap ({cap_s:.0f}s after the start); "
+               f"given up after step {steps[-1][0] if steps else 0} of {STEPS}")
     return Outcome(end - entries[0]["time"], steps, len(entries) - len(seen), inj.fired if inj else [], stopped=why)
 
 

@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mib", type=int, default=35, help="shard size (the small preset's per rank on 2 ranks)")
     ap.add_argument("--rounds", type=int, default=20)
-    args = ap.parse_args(argv)
+    args = ap.parse_args([] if argv is None else argv)  # (run_all calls main())
     nbytes = args.mib * 2**20
     keeper = Keeper("n0", memory_limit_mb=12 * args.mib + 64)
     host, port, token = keeper.stream_address()
@@ -73,4 +73,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    main(sys.argv[1:])

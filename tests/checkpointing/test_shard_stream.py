@@ -184,3 +184,12 @@ def test_a_dead_workers_segments_are_swept() -> None:
     finally:
         mine.close()
         shm_segment.unlink(dead)
+
+
+def test_the_handover_bench_runs_short(capsys: pytest.CaptureFixture[str]) -> None:
+    """make bench's handover_bench, a short variant: every way prints its figures."""
+    from tests.benchmarks import handover_bench
+
+    handover_bench.main(["--mib", "1", "--rounds", "2"])
+    out = capsys.readouterr().out
+    assert all(f"  {way} " in out for way in handover_bench.WAYS) and "hand-over CPU vs socket" in out, out

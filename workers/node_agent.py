@@ -180,22 +180,28 @@ class NodeAggregator:
                     p.max_step = note.step
                 if last.step_time_s > p.max_step_time_s:
                     p.max_step_time_s = last.step_time_s
+            acks, note.acks = note.acks, []  # folded here (a relayed metrics note does not carry them twice)
             if note.metrics is not None:
                 p.notes.append(note)  # rank 0's metrics row: the supervisor writes it
-        elif isinstance(note, SnapshotAck):
-            key = (note.generation, note.step)
-            if note.ok:
-                p.acks.setdefault(key, []).append(note.rank)
-                p.ack_world[key] = note.world_size
-                p.ack_held.setdefault(key, {})[note.rank] = list(note.acked)
-            else:
-                p.ack_failures += 1
-                p.notes.append(note)  # rare: the supervisor counts it and keeps its errors
-            return self._count_acks(key, 1)  # every rank answered: send now, the commit waits on it
+            return any([self._ack(ack) for ack in acks])  # (a list: every ack folded)
+        if isinstance(note, SnapshotAck):
+            return self._ack(note)
+        p.notes.append(note)  # Formed, CheckpointReport, FaultNote: rare, relayed as they are
+        return isinstance(note, FaultNote)
+
+    def _ack(self, note: SnapshotAck) -> bool:
+        """Fold one snapshot ack; True when every rank answered for has answered (send now: the commit
+        waits on it)."""
+        p = self._p
+        key = (note.generation, note.step)
+        if note.ok:
+            p.acks.setdefault(key, []).append(note.rank)
+            p.ack_world[key] = note.world_size
+            p.ack_held.setdefault(key, {})[note.rank] = list(note.acked)
         else:
-            p.notes.append(note)  # Formed, CheckpointReport, FaultNote: rare, relayed as they are
-            return isinstance(note, FaultNote)
-        return False
+            p.ack_failures += 1
+            p.notes.append(note)  # rare: the supervisor counts it and keeps its errors
+        return self._count_acks(key, 1)
 
     def _absorb(self, b: NodeBatch, now: float) -> bool:
         """A member's batch, folded into this leader's next one; True when it reports a loss."""

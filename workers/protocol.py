@@ -2,9 +2,11 @@
 
 Worker -> supervisor, fire and forget (`supervisor.report.remote(note)`):
     Heartbeat          every step (with the step's timings; rank 0's with its metrics row) and from a
-                       side thread at least every heartbeat_interval_s
+                       side thread at least every heartbeat_interval_s; it carries the rank's snapshot
+                       acks since its last note (one Ray call a step for both)
     Formed             the rank joined its generation's group and restored
-    SnapshotAck        its in-memory snapshot of a step is (or is not) held by the keepers
+    SnapshotAck        its in-memory snapshot of a step is (or is not) held by the keepers: inside a
+                       Heartbeat, or on its own when the snapshot failed (at once)
     CheckpointReport   rank 0: a persistent checkpoint was written (or failed, or was abandoned)
     FaultNote          a chaos fault is about to act on this worker
 Node agent -> its group's leader agent -> supervisor (workers.node_agent; one per group per interval,
@@ -70,6 +72,7 @@ class Heartbeat(Note):
     pid: int
     last: StepReport | None = None  # the rank's last step in this generation
     metrics: dict[str, Any] | None = None  # rank 0, right after a step: its metrics row
+    acks: list[SnapshotAck] = field(default_factory=list)  # its snapshots held since its last note
 
 
 @dataclass

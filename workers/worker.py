@@ -44,6 +44,7 @@ from workers.protocol import (
     Note,
     RunResult,
     RunStatus,
+    SnapshotAck,
     StepReport,
 )
 from workers.train_loop import LoopHooks, train
@@ -120,6 +121,8 @@ class Worker:
         # are fire and forget, so rows sent while the supervisor was down are asked for again after its restart.
         self._rows: dict[int, tuple[int, int, dict[str, Any]]] = {}
         self._rows_lock = threading.Lock()
+        self._acks: list[SnapshotAck] = []  # held snapshots not yet said (the next heartbeat carries them)
+        self._acks_lock = threading.Lock()
         from workers.chaos import Chaos
 
         self.chaos = Chaos(self.opts.chaos, is_head_node=lambda: self.on_head, on_fire=self._fired)
@@ -251,9 +254,20 @@ class Worker:
         except Exception:  # noqa: BLE001 - see above
             return None
 
+    def ack(self, ack: SnapshotAck) -> None:
+        """A snapshot's ack: a held one rides on the next heartbeat (the step's, or the side thread's within
+        heartbeat_interval_s), a failed one goes at once."""
+        if not ack.ok:
+            self.send(ack)
+            return
+        with self._acks_lock:
+            self._acks.append(ack)
+
     def _beat(self, metrics: dict[str, Any] | None = None) -> None:
+        with self._acks_lock:
+            acks, self._acks = self._acks, []
         self.send(Heartbeat(self.name, self.generation, self.rank, time.time(), phase=self.phase, step=self.step,
-                            pid=self.pid, last=self._last, metrics=metrics))
+                            pid=self.pid, last=self._last, metrics=metrics, acks=acks))
 
     def _heartbeat_loop(self) -> None:
         while not self._hb_stop.wait(self.opts.heartbeat_interval_s):
@@ -381,6 +395,10 @@ class Worker:
         leave_group(abort=not ok)  # NCCL: abort the communicators before destroying a broken group
         marks.append(("leave", time.perf_counter()))
         self.phase = "finished" if result.status == RunStatus.FINISHED else "idle"
+        with self._acks_lock:
+            acks_left = bool(self._acks)
+        if acks_left:  # the last snapshots' acks (the steps' heartbeats are over), before the sync below
+            self._beat()
         if self._agent is not None:  # the agent batches notes: this run's last ones go before its result
             with contextlib.suppress(Exception):
                 # After a failure, briefly: the agent's upstream (a group leader) may be on the lost node,

@@ -127,8 +127,8 @@ class Tiers:
             telemetry.record_snapshot(self.w.opts.job_id, self.rank, res.blocking_s + res.send_s, res.nbytes)
         # Held by a keeper is enough to ack: the commit counts the copies on the keepers alive then, so a
         # dead keeper (its node alive) does not stop commits until the next re-form replaces it.
-        self.w.send(SnapshotAck(self.w.name, res.generation, res.rank, time.time(), step=res.step, ok=bool(res.acked),
-                                world_size=self.world, errors=dict(res.errors), acked=list(res.acked)))
+        self.w.ack(SnapshotAck(self.w.name, res.generation, res.rank, time.time(), step=res.step, ok=bool(res.acked),
+                               world_size=self.world, errors=dict(res.errors), acked=list(res.acked)))
 
     def _persisted(self, res: Any) -> None:
         """Every rank exports its shard's write; rank 0 tells the supervisor (one event per checkpoint)."""

@@ -105,6 +105,9 @@ class Supervisor:
                 self.reporter.add_logs(note.source, note.logs)
                 note.logs = []
             run.hb[note.worker] = (now, note)
+            if isinstance(note, Heartbeat):  # its snapshot acks (a worker without a node agent)
+                for ack in note.acks:
+                    self.committer.on_ack(ack.generation, ack.step, ack.rank, ack.world_size, ack.ok, ack.acked)
             match note:
                 case FaultNote():
                     run.faults.append(note)

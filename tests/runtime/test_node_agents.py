@@ -3,6 +3,7 @@ folding a node's notes into one batch, finding lost ranks, and the scale simulat
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -47,8 +48,12 @@ def test_a_node_batch_carries_its_ranks_and_the_supervisor_takes_it_whole(tmp_pa
     for r in range(4):
         agg.own(f"w{r}", r, 2, None, now=0.0)
     for r in range(4):
-        agg.collect(_hb(f"w{r}", r, 7), now=1.0)
-        agg.collect(SnapshotAck(f"w{r}", 2, r, 1.0, step=7, ok=True, world_size=8, acked=["a", "b"]), now=1.0)
+        ack = SnapshotAck(f"w{r}", 2, r, 1.0, step=7, ok=True, world_size=8, acked=["a", "b"])
+        if r % 2:  # on its own, or (as workers send them) riding on the rank's heartbeat
+            agg.collect(_hb(f"w{r}", r, 7), now=1.0)
+            agg.collect(ack, now=1.0)
+        else:
+            agg.collect(dataclasses.replace(_hb(f"w{r}", r, 7), acks=[ack]), now=1.0)
     agg.collect(_hb("w0", 0, 6, gen=1), now=1.0)  # an older generation's step: dropped
     ckpt = CheckpointReport("w0", 2, 0, 1.0, step=7, ok=True, uri="file:///x", error=None, abandoned=False)
     agg.collect(ckpt, now=1.0)
@@ -217,9 +222,9 @@ def test_a_batch_goes_at_once_when_a_snapshots_acks_are_all_in() -> None:
     def ack(r: int, step: int, ok: bool = True) -> SnapshotAck:
         return SnapshotAck(f"w{r}", 2, r, 1.0, step=step, ok=ok, world_size=4, acked=["a", "m"])
 
-    # Step 5: the member's two ranks; its second ack makes its batch urgent.
-    assert not member.collect(ack(2, 5), now=1.0)
-    assert member.collect(ack(3, 5), now=1.0)
+    # Step 5: the member's two ranks (acks on their heartbeats); its second ack makes its batch urgent.
+    assert not member.collect(dataclasses.replace(_hb("w2", 2, 6), acks=[ack(2, 5)]), now=1.0)
+    assert member.collect(dataclasses.replace(_hb("w3", 3, 6), acks=[ack(3, 5)]), now=1.0)
     batch = member.flush(1.0)
     assert batch.ranks == 2 and batch.acks == {(2, 5): [2, 3]}
     # The leader does not know the member's count before its first batch: no early send.

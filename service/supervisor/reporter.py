@@ -342,7 +342,8 @@ class Reporter:
         before = self.run.models_before
         kept = sorted(m.rank for w, m in formed.items() if m.restored.get("in_place")
                       and before.get(w) == (m.restored.get("pid"), m.restored.get("model_id")))
-        detect_s = rec.t_detect - rec.t_fault if rec.t_fault else None
+        # (clamped: a fault's time can come from another process's clock, a few ms ahead of ours)
+        detect_s = max(0.0, rec.t_detect - rec.t_fault) if rec.t_fault else None
         reform_s = max(0.0, t_formed - rec.t_detect - restore_s)
         # The recovery ends when rank 0 completed the step (the row's end_time, as the fault's time, a
         # worker's clock), not when its note reached us: the relay's latency is not training lost.

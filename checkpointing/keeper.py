@@ -6,7 +6,8 @@
 A keeper is `keeper-<node>` in namespace "unbroken", num_cpus=0, pinned to its node by Ray's node
 affinity (the node's id, from Ray itself: no resource for a user to add), and threaded (max_concurrency > 1) so reads, commits and
 reports run while a large shard is being received. Shards are keyed (job_id, generation, step, rank)
-and stored as numpy arrays in the keeper's own heap, so they outlive the worker that sent them.
+and stored as numpy arrays in the keeper's own heap, or (a shard from its own node's worker) as the
+worker's shared-memory segment the keeper maps, so they outlive the worker that sent them.
 Workers stream their shards straight into that memory over a TCP connection the keeper opens on its
 node (`stream_address`, checkpointing.shard_stream), not through Ray's object store; `put_shard`
 takes one through Ray (tools, tests).

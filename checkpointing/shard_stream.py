@@ -14,10 +14,12 @@ keeper's answer comes back on the same connection.
 A frame: an 8-byte length, a JSON header (job, generation, step, rank, world size, the lengths of what
 follows), the layout and extras bytes, then the blob. To the keeper on the worker's own node the blob
 does not cross the socket: the header names the worker's shared-memory segment (`shm`,
-checkpointing.shm_segment) and the keeper copies it from there; a keeper that cannot open it answers
-SegmentUnavailable and the worker sends that keeper the bytes instead. The answer: an 8-byte length
-and a JSON object, {"ok": true, "result": {...}} or {"ok": false, "type": ..., "error": ...}. Nothing on the wire is
-unpickled; a connection starts with the keeper's token, which a worker learns through Ray, so only a
+checkpointing.shm_segment) and the keeper copies it from there, or with `keep` keeps the segment itself
+as the shard's bytes (at most MAX_KEPT a connection; past that it copies); a keeper that cannot open it
+answers SegmentUnavailable and the worker sends that keeper the bytes instead. The answer: an 8-byte
+length and a JSON object, {"ok": true, "result": {...}, "kept": bool, "released": [segments]} or
+{"ok": false, "type": ..., "error": ..., "released": [...]}: `released` names the kept segments freed
+since the last answer, which the worker may write into again. Nothing on the wire is unpickled; a connection starts with the keeper's token, which a worker learns through Ray, so only a
 holder of a Ray handle to the keeper can write into it.
 """
 

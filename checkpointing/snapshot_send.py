@@ -20,8 +20,9 @@ One sender thread then (CUDA: after the copies completed) streams the buffer to 
 connections it keeps open (checkpointing.shard_stream: one socket copy into the keeper's own memory,
 no object store), and the buffer is free again: the one on this rank's node and the next node's in
 sorted order (one copy only when there is one node; said once in the log). On CPU the buffers are
-shared-memory segments (checkpointing.shm_segment): this node's keeper copies the bytes out of the
-segment itself, and only the other node's copy crosses a socket. A keeper that died gets
+shared-memory segments (checkpointing.shm_segment): this node's keeper keeps the segment itself as the
+shard (no copy) until it frees it, and hands it back in a later answer (a buffer it keeps is not
+written meanwhile: up to MAX_KEPT + 2 buffers); only the other node's copy crosses a socket. A keeper that died gets
 its copy re-sent to the keeper started again under its name, else to the next one in the ring. No
 collectives: each rank plans its own shard (checkpointing.memory_storage); resharding happens at
 restore.
@@ -173,7 +174,7 @@ class SnapshotClient:
         """With `optimizer`, the copy overlaps the next step's forward/backward (parameters and
         optimizer state change only in optimizer.step(), whose pre-hook waits for the copy); without
         it, snapshot() copies (CPU) or enqueues the copies (CUDA) before returning. `shared_memory`: CPU
-        buffers are /dev/shm segments this node's keeper copies from (else it is sent the bytes)."""
+        buffers are /dev/shm segments this node's keeper keeps or copies from (else it is sent the bytes)."""
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} world_size={world_size}: need 0 <= rank < world_size")
         if not job_id:

@@ -391,6 +391,8 @@ class SnapshotClient:
                 return
             except StreamBroken:  # (a KeeperRefused is the keeper's answer: it goes up as it is)
                 self._conns.pop(node, None)
+                if node == self.node_name:
+                    self._forget_kept()
                 if attempt:
                     raise
             except KeeperRefused as e:
@@ -403,6 +405,13 @@ class SnapshotClient:
                 return
             finally:
                 self._take_back(held[1])
+
+    def _forget_kept(self) -> None:
+        """A connection to this node's keeper broke: it would hand its kept segments back on that
+        connection, never on a new one. They are left to it (they may still be its shards' bytes; their
+        pages go when it frees them) and new buffers are made as needed."""
+        with self._buffer_lock:
+            self._buffers = [b for b in self._buffers if not b.lent]
 
     def _take_back(self, stream: ShardStream) -> None:
         """The segments the keeper freed (their names came with its answers) may be written again."""

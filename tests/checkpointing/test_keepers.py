@@ -17,6 +17,7 @@ One cluster, one set of actors, phases in order (one test: start-up dominates th
 
 from __future__ import annotations
 
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,18 @@ def _keepers_alone(keepers: dict[str, ray.actor.ActorHandle]) -> None:
         restore_from_keepers(keepers, "fenced", got, step=step, generation=3)
         assert torch.equal(got["w"], torch.full((1000,), float(step))), (step, got["w"][:3])
     assert memory_reports(keepers)["head"]["frames"]["kept"] - before == 12  # every one: it retains 2, keeps 4
+    # Its connection to that keeper breaks: the segments kept there would come back on that connection
+    # only, so the client leaves them to the keeper (never writes into them again) and goes on.
+    lent = [b for b in kept._buffers if b.lent]
+    assert lent
+    kept._conns["head"][1]._sock.shutdown(socket.SHUT_RDWR)
+    res = kept.snapshot({"w": torch.full((1000,), 21.0)}, step=21, generation=3).result(timeout=60)
+    assert res.ok and commit_snapshot(keepers, "fenced", 3, 21, 1), res
+    assert not any(b in kept._buffers for b in lent)
+    for step in (20, 21):  # the kept step 20 was not written over
+        got = {"w": torch.zeros(1000)}
+        restore_from_keepers(keepers, "fenced", got, step=step, generation=3)
+        assert torch.equal(got["w"], torch.full((1000,), float(step))), (step, got["w"][:3])
     kept.close()
 
     # drop_job frees everything the job held.

@@ -208,16 +208,15 @@ class Keeper:
                     f"snapshots are in flight, or shard the state over more ranks/nodes)"
                 )
             self.used += size  # reserve before copying (a replaced old copy is released at the swap)
-            blob = self._take(int(blob_bytes)) if lend is None else None
+            pooled = self._take(int(blob_bytes)) if lend is None else None
         try:
+            release = None
             if lend is not None:
                 blob, release = lend()
-                shard = _Shard(blob, layout, extras, int(world_size), time.time(), release=release)
             else:
-                if blob is None:
-                    blob = np.empty(int(blob_bytes), dtype=np.uint8)
+                blob = pooled if pooled is not None else np.empty(int(blob_bytes), dtype=np.uint8)
                 fill(blob)
-                shard = _Shard(blob, layout, extras, int(world_size), time.time())
+            shard = _Shard(blob, layout, extras, int(world_size), time.time(), release=release)
         except BaseException:
             with self._lock:
                 self.used -= size
@@ -293,9 +292,7 @@ class Keeper:
         blob is kept for reuse if nobody reads it and it fits (caller holds the lock)."""
         shard.freed = True
         if shard.release is not None:
-            if shard.readers == 0:
-                shard.release()
-                shard.release = None
+            self._give_back_unread(shard)
             return
         blob = shard.blob
         if shard.readers == 0 and self.used + self.pool_bytes + blob.nbytes <= self.limit:
@@ -338,9 +335,15 @@ class Keeper:
     def _read_done(self, shard: _Shard) -> None:
         with self._lock:
             shard.readers -= 1
-            if shard.freed and shard.readers == 0 and shard.release is not None:
-                shard.release()  # a kept segment freed while it was read: its worker gets it back now
-                shard.release = None
+            self._give_back_unread(shard)  # a kept segment freed while it was read: given back now
+
+    @staticmethod
+    def _give_back_unread(shard: _Shard) -> None:
+        """A freed shard's kept segment goes back to its worker once no reader copies it, once (caller
+        holds the lock)."""
+        if shard.freed and shard.readers == 0 and shard.release is not None:
+            shard.release()
+            shard.release = None
 
     def _get(self, job_id: str, generation: int, step: int, rank: int) -> _Shard:
         with self._lock:

@@ -135,6 +135,11 @@ class _Kept:
             self.count += 1
             return True
 
+    def untake(self) -> None:
+        """A counted segment that was not kept after all (the shard was refused)."""
+        with self._lock:
+            self.count -= 1
+
     def give_back(self, name: str) -> None:
         with self._lock:
             self.count -= 1
@@ -251,7 +256,7 @@ class ShardStreamServer:
             raise
         except Exception as e:  # noqa: BLE001 - refused (memory, fence): answered, the stream goes on
             if keep:
-                kept.give_back(shm)  # not kept after all: the worker may write into it again
+                kept.untake()  # not kept after all (the answer says so)
             if on_wire and not filled:
                 self._drain(conn, header["blob"])
             return {"ok": False, "type": type(e).__name__, "error": str(e)}

@@ -395,9 +395,7 @@ class Worker:
         leave_group(abort=not ok)  # NCCL: abort the communicators before destroying a broken group
         marks.append(("leave", time.perf_counter()))
         self.phase = "finished" if result.status == RunStatus.FINISHED else "idle"
-        with self._acks_lock:
-            acks_left = bool(self._acks)
-        if acks_left:  # the last snapshots' acks (the steps' heartbeats are over), before the sync below
+        if self._acks:  # the last snapshots' acks (the steps' heartbeats are over), before the sync below
             self._beat()
         if self._agent is not None:  # the agent batches notes: this run's last ones go before its result
             with contextlib.suppress(Exception):

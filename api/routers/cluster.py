@@ -182,8 +182,10 @@ def _ray_view(visible: set[str] | None) -> tuple[list[Node], dict[str, dict[str,
         free_by_node = ray_state.available_resources_per_node()
     except Exception:
         log.info("Ray did not report free resources per node")
+    from checkpointing.nodes import node_name_of  # imports ray: only where Ray is read
+
     nodes_raw = ray.nodes()
-    label = {n["NodeID"]: _node_name(n.get("Resources") or {}) or n["NodeID"][:12] for n in nodes_raw}
+    label = {n["NodeID"]: node_name_of(n) for n in nodes_raw}  # as the keepers are named
     per_node: dict[str, dict[str, int]] = {}  # node id -> job -> workers
     per_job: dict[str, dict[str, int]] = {}  # job -> node label -> workers
     for info in ray.util.placement_group_table().values():
@@ -194,18 +196,14 @@ def _ray_view(visible: set[str] | None) -> tuple[list[Node], dict[str, dict[str,
             per_node.setdefault(node_id, {})[job_id] = per_node.get(node_id, {}).get(job_id, 0) + 1
             where = label.get(node_id, node_id[:12])
             per_job.setdefault(job_id, {})[where] = per_job.get(job_id, {}).get(where, 0) + 1
-    from checkpointing.nodes import node_name_of  # imports ray: only where Ray is read
-
-    # Keepers are named by node_name_of, also for nodes without our resource (a `ray start` cluster's).
-    keeper_of = {n["NodeID"]: node_name_of(n) for n in nodes_raw if n.get("Alive")}
-    reports = _keeper_reports(list(keeper_of.values()))
+    reports = _keeper_reports([label[n["NodeID"]] for n in nodes_raw if n.get("Alive")])
     nodes = []
     for n in sorted(nodes_raw, key=lambda n: (not n.get("Alive"), label[n["NodeID"]])):
         total = n.get("Resources") or {}
         alive = bool(n.get("Alive"))
         free = free_by_node.get(n["NodeID"], {}) if alive else {}
         name = _node_name(total)
-        report = reports.get(keeper_of.get(n["NodeID"], ""))
+        report = reports.get(label[n["NodeID"]]) if alive else None
         nodes.append(Node(
             node_id=n["NodeID"], name=name, address=str(n.get("NodeManagerAddress", "")), alive=alive,
             cpus=_res(total, free, "CPU"), gpus=_res(total, free, "GPU"), memory_bytes=float(total.get("memory", 0)),

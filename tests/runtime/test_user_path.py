@@ -102,11 +102,12 @@ def _run_user_path(tmp: Path, cluster: RayStartCluster, *, second_job: bool, spa
         headers = {"Authorization": f"Bearer {client.token}"}
         got = httpx.get(f"{serve.url}/v1/jobs/{job.id}", headers=headers, timeout=30).json()
         assert got["status"] == "SUCCEEDED"
-        # The keepers of both worker nodes took their own node's copies through shared memory, the other
-        # node's over TCP (a fallback to TCP only logs a warning: this shows the shared path was taken).
+        # The keepers of both worker nodes took their own node's copies through shared memory (kept as
+        # they were, no copy), the other node's over TCP (a fallback to TCP only logs a warning: this
+        # shows the shared path was taken).
         cluster_view = httpx.get(f"{serve.url}/v1/cluster", headers=headers, timeout=30).json()
         keepers = {n["node_id"]: n["keeper"] for n in cluster_view["nodes"] if n.get("keeper")}
-        via_shm = [name for name, k in keepers.items() if k["frames_shared_memory"] > 0]
+        via_shm = [name for name, k in keepers.items() if k["frames_shared_memory"] > 0 and k["frames_kept"] > 0]
         assert len(via_shm) >= 2 and sum(k["frames_socket"] for k in keepers.values()) > 0, keepers
         if node_loss:
             _lose_a_pod(tmp, cluster, client)

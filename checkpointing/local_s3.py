@@ -187,7 +187,10 @@ class LocalS3Server:
             os.kill(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
 
-    def stop(self, timeout_s: float = 10.0) -> None:
+    def stop(self, timeout_s: float = 3.0) -> None:
+        """SIGTERM, then SIGKILL past `timeout_s`: with stored objects its filer's graceful stop can take
+        longer than 10 s (the demo's did), and what it stored is already on disk (a killed server starts
+        again over it with every object, tests/checkpointing/test_persistent.py)."""
         if self.proc is None:
             return
         if self.proc.poll() is None:

@@ -205,19 +205,26 @@ def follow_job(client: Any, job_id: str, total: int, console: Console, t0: float
                 print_event(out, ev, t0)
                 got.append(ev)
 
+    released = False
+
+    def released_in(events: list[Any]) -> bool:
+        return released or any(ev.kind == "released" for ev in events)
+
     with LiveView(console, total) as view:
         def on_poll(progress: Any) -> None:
-            drain(view.out)
+            nonlocal released
+            released = released_in(drain(view.out))
             view.update(progress)
 
         job = client.wait(job_id, timeout=timeout_s, progress_callback=on_poll, poll_s=0.5,
                           raise_on_failure=False)  # a failed job is summarised like any other
-    # The supervisor's last words (release of workers and keeper memory) land just after the end.
+    # The supervisor's last words (release of workers and keeper memory) land just after the end,
+    # unless the live view already showed them.
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        if any(ev.kind == "released" for ev in drain(console)):
-            break
-        time.sleep(0.3)
+    while not released and time.monotonic() < deadline:
+        released = released_in(drain(console))
+        if not released:
+            time.sleep(0.3)
     return job
 
 

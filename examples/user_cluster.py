@@ -53,7 +53,7 @@ def cmdline(pid: int) -> str:
         return ""
 
 
-def stop_sessions(sids: list[int], marker: str | None, grace_s: float = 5.0) -> None:
+def stop_sessions(sids: list[int], marker: str | None, grace_s: float = 2.0) -> None:
     """SIGTERM, then after `grace_s` SIGKILL, every process of these sessions or naming `marker` (our temp
     dir; None: the sessions' only). Ray's raylet drains for up to 30 s on SIGTERM; nothing of a test or
     demo cluster needs that."""

@@ -205,24 +205,26 @@ def follow_job(client: Any, job_id: str, total: int, console: Console, t0: float
                 print_event(out, ev, t0)
                 got.append(ev)
 
-    released = False
+    from unbroken import JobProgress
 
-    def released_in(events: list[Any]) -> bool:
-        return released or any(ev.kind == "released" for ev in events)
-
+    # Polled here, not through client.wait: its callback fires when the progress changes, and while the
+    # workers start (tens of seconds) it does not, so the start-up's events would show only at the first step.
+    released, deadline = False, time.monotonic() + timeout_s
     with LiveView(console, total) as view:
-        def on_poll(progress: Any) -> None:
-            nonlocal released
-            released = released_in(drain(view.out))
-            view.update(progress)
-
-        job = client.wait(job_id, timeout=timeout_s, progress_callback=on_poll, poll_s=0.5,
-                          raise_on_failure=False)  # a failed job is summarised like any other
+        while True:
+            job = client.get(job_id)
+            released = any(ev.kind == "released" for ev in drain(view.out)) or released
+            view.update(JobProgress.of(job))
+            if job.terminal:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {job_id} is still {job.status} after {timeout_s:g} s")
+            time.sleep(0.5)
     # The supervisor's last words (release of workers and keeper memory) land just after the end,
     # unless the live view already showed them.
     deadline = time.monotonic() + 10
     while not released and time.monotonic() < deadline:
-        released = released_in(drain(console))
+        released = any(ev.kind == "released" for ev in drain(console))
         if not released:
             time.sleep(0.3)
     return job
@@ -494,7 +496,7 @@ def _run(args: argparse.Namespace, steps: int, kill: int, console: Console, run_
     console.print(f"  submitted: job {job.id} ({job.status})", highlight=False)
 
     # ---- 5. watch it
-    section(console, 5, "Training (live, from the SDK: client.wait + client.events)")
+    section(console, 5, "Training (live, from the SDK: client.get + client.events)")
     console.print(f"[dim]At step {kill} a worker exits on purpose; Ray reports it with a '(raylet) A worker died' "
                   "line.[/dim]")
     job = follow_job(client, job.id, t.steps, console, t_submit, args.timeout)

@@ -62,6 +62,13 @@ class RayCluster:
         return {k: float(v) for k, v in ray.cluster_resources().items()}
 
 
+def still_releasing(available: dict[str, float], total: dict[str, float], reserved: dict[str, float]) -> bool:
+    """Whether Ray still counts as held some of what the running jobs do not hold (an ended job's workers
+    not yet gone). Only the kinds jobs hold are compared: Ray's object_store_memory, for one, is below its
+    total whenever any object is stored, which made growth always wait GROW_SETTLE_S."""
+    return any(available.get(k, 0.0) + 1e-9 < total.get(k, 0.0) - held for k, held in reserved.items())
+
+
 def _launch_supervisor(job_id: str, spec: Any, store_url: str | None, namespace: str,
                        target_dp: int | None = None) -> Any:
     from service.supervisor import launch_supervisor
@@ -207,8 +214,7 @@ class Scheduler:
                             self.store.owner_weights(), self.quotas)
             # A job that just ended frees its workers one by one; Ray's count trails ours meanwhile. Growth
             # waits for it (a while: other users' tasks also hold what we do not count).
-            releasing = any(available.get(k, 0.0) + 1e-9 < total.get(k, 0.0) - reserved.get(k, 0.0) for k in total)
-            settling = releasing and time.monotonic() - self._ended_at < GROW_SETTLE_S
+            settling = still_releasing(available, total, reserved) and time.monotonic() - self._ended_at < GROW_SETTLE_S
             plan = policies.plan(snap, "shrink", freed_by=self._freed_by, grow=not settling)
             for job_id, why in plan.waiting.items():
                 if self._last_wait_reason.get(job_id) != why:

@@ -33,6 +33,7 @@ from tests.runtime.conftest import make_cluster
 from tests.runtime.jobs import assert_same_losses, engine_of, tiny_spec
 
 AFTER_GROWTH = 4  # steps the low job trains at dp 4 again before the test cancels it
+PACE_S = 0.2  # the long-running jobs' pause before each step (see spec)
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +41,11 @@ def cluster() -> Iterator[LocalCluster]:
     yield from make_cluster(3, {})
 
 
-def spec(out: Path, *, steps: int, dp: int, dp_min: int, priority: int, name: str) -> Any:
-    s = tiny_spec(out, steps=steps, dp=dp, dp_min=dp_min)
+def spec(out: Path, *, steps: int, dp: int, dp_min: int, priority: int, name: str, pace_s: float = 0.0) -> Any:
+    """`pace_s`: every rank sleeps that long before each step (chaos slow_worker), so a job that only
+    has to keep running leaves the 3 CPUs to the jobs starting beside it (and its reference run is short)."""
+    chaos = [{"kind": "slow_worker", "step": 0, "rank": r, "seconds": pace_s} for r in range(dp)] if pace_s else None
+    s = tiny_spec(out, steps=steps, dp=dp, dp_min=dp_min, chaos=chaos)
     training = s.training.model_copy(update={"min_lr_ratio": 1.0})  # constant after warm-up: see above
     return s.model_copy(update={"training": training, "priority": priority, "name": name})
 
@@ -65,9 +69,11 @@ def test_low_priority_job_shrinks_for_a_high_one_and_grows_back(
     cp = ControlPlane(f"sqlite:///{tmp_path / 'store.db'}")
     try:
         client = cp.client()
-        low = client.submit(spec(tmp_path / "low", steps=100_000, dp=4, dp_min=2, priority=0, name="low"))
+        low = client.submit(spec(tmp_path / "low", steps=100_000, dp=4, dp_min=2, priority=0, name="low",
+                                 pace_s=PACE_S))
         until(lambda: (p := client.get(low.id).progress).dp == 4 and (p.step or 0) >= 3, 240, "low at dp 4")
-        other = client.submit(spec(tmp_path / "other", steps=100_000, dp=2, dp_min=1, priority=0, name="other"))
+        other = client.submit(spec(tmp_path / "other", steps=100_000, dp=2, dp_min=1, priority=0, name="other",
+                                   pace_s=PACE_S))
         until(lambda: (p := client.get(other.id).progress).dp == 2 and (p.step or 0) >= 1, 240, "other at dp 2")
         high = client.submit(spec(tmp_path / "high", steps=8, dp=2, dp_min=2, priority=10, name="high"))
 

@@ -218,3 +218,18 @@ def test_queued_demand_is_the_whole_shape_and_released_once_met() -> None:
     over_quota = Snapshot({"CPU": 1.0}, {"CPU": 0.0}, (running,), (waiting,),
                           quotas=QuotaPolicy(per_owner={"v": Quota(max_running_jobs=0)}))
     assert queued_demand(over_quota, plan(over_quota)) == []  # waits for its quota, not for capacity
+
+
+def test_growth_waits_for_released_workers_only_on_what_jobs_hold() -> None:
+    """Growth waits while Ray still counts an ended job's workers; Ray's object store being in use (any
+    stored object lowers its available count) is not such a wait, nor is memory."""
+    from service.scheduler import still_releasing
+
+    total = {"CPU": 3.0, "memory": 8e9, "object_store_memory": 2e8, "node:127.0.0.1": 1.0}
+    reserved = {"CPU": 2.0}  # the running jobs' workers
+    in_use = {"CPU": 1.0, "memory": 8e9, "object_store_memory": 1.5e8, "node:127.0.0.1": 1.0}
+    assert not still_releasing(in_use, total, reserved)
+    assert still_releasing({**in_use, "CPU": 0.5}, total, reserved)  # half a CPU not yet given back
+    gpus = {"CPU": 2.0, "GPU": 1.0}
+    assert still_releasing({"CPU": 1.0, "GPU": 0.0}, {"CPU": 3.0, "GPU": 2.0}, gpus)
+    assert not still_releasing({"CPU": 1.0, "GPU": 1.0}, {"CPU": 3.0, "GPU": 2.0}, gpus)

@@ -191,29 +191,25 @@ class LiveView:
 
 def follow_job(client: Any, job_id: str, total: int, console: Console, t0: float, timeout_s: float) -> Any:
     """Show the job's progress and events until it ends; returns the final Job."""
-    last = 0
+    from unbroken import JobProgress
 
-    def drain(out: Console) -> list[Any]:
-        nonlocal last
-        got = []
-        while True:
-            page = list(client.events(job_id, follow=False, after=last))
-            if not page:
-                return got
+    last, released = 0, False
+
+    def drain(out: Console) -> None:
+        nonlocal last, released
+        while page := list(client.events(job_id, follow=False, after=last)):
             for ev in page:
                 last = max(last, ev.id)
+                released = released or ev.kind == "released"
                 print_event(out, ev, t0)
-                got.append(ev)
-
-    from unbroken import JobProgress
 
     # Polled here, not through client.wait: its callback fires when the progress changes, and while the
     # workers start (tens of seconds) it does not, so the start-up's events would show only at the first step.
-    released, deadline = False, time.monotonic() + timeout_s
+    deadline = time.monotonic() + timeout_s
     with LiveView(console, total) as view:
         while True:
             job = client.get(job_id)
-            released = any(ev.kind == "released" for ev in drain(view.out)) or released
+            drain(view.out)
             view.update(JobProgress.of(job))
             if job.terminal:
                 break
@@ -224,9 +220,8 @@ def follow_job(client: Any, job_id: str, total: int, console: Console, t0: float
     # unless the live view already showed them.
     deadline = time.monotonic() + 10
     while not released and time.monotonic() < deadline:
-        released = any(ev.kind == "released" for ev in drain(console))
-        if not released:
-            time.sleep(0.3)
+        time.sleep(0.3)
+        drain(console)
     return job
 
 

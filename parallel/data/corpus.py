@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from parallel.config import DataConfig
-from parallel.data.readers import SUFFIXES, BadRows, file_stamps
+from parallel.data.readers import BadRows
 from parallel.data.tokenizer import Tokenizer, load_tokenizer
 from parallel.data.types import DataError
 
@@ -134,11 +134,17 @@ def _encoded(key: str) -> TokenCorpus:
 
 
 @functools.lru_cache(maxsize=8)
-def _stamp(path: str, kind: str) -> str:
-    """The data files' names, sizes and times, once per process: a re-formed group builds a new Trainer,
-    and walking a large folder again would lengthen every recovery. A job's data must not change under
-    it anyway."""
-    return json.dumps(file_stamps(path, SUFFIXES.get(kind)) if Path(path).exists() else [])
+def _stamp(path: str, kind: str, hf_split: str) -> str:
+    """The names, sizes and times of the files the source reads, once per process: a re-formed group
+    builds a new Trainer, and walking a large folder again would lengthen every recovery. A job's data must
+    not change under it anyway. A source that cannot be read gets an empty stamp: reading it says why."""
+    from parallel.data.encode import source_files
+
+    try:
+        files = source_files(path, kind, hf_split)
+    except DataError:
+        return "[]"
+    return json.dumps([[str(f), (st := f.stat()).st_size, st.st_mtime_ns] for f in files[:10000]])
 
 
 def open_corpus(cfg: DataConfig, what: str = "data.path") -> TokenCorpus:
@@ -156,7 +162,7 @@ def open_corpus(cfg: DataConfig, what: str = "data.path") -> TokenCorpus:
     path = str(Path(cfg.path).expanduser().resolve())
     fields = cfg.model_dump(include={"kind", "tokenizer", "eos_token", "text_field", "hf_split", "format",
                                      "chat_template", "on_bad_row"})
-    key = json.dumps({"cfg": {**fields, "path": path}, "what": what, "stamp": _stamp(path, cfg.kind)}, sort_keys=True)
+    key = json.dumps({"cfg": {**fields, "path": path}, "what": what, "stamp": _stamp(path, cfg.kind, cfg.hf_split)}, sort_keys=True)
     return _encoded(key)
 
 

@@ -17,7 +17,17 @@ from pathlib import Path
 import numpy as np
 
 from parallel.config import DataConfig
-from parallel.data.readers import BadRows, Row, read_hf_dataset, read_jsonl, read_parquet, read_text
+from parallel.data.readers import (
+    SUFFIXES,
+    BadRows,
+    Row,
+    hf_dataset_files,
+    list_files,
+    read_hf_dataset,
+    read_jsonl,
+    read_parquet,
+    read_text,
+)
 from parallel.data.tokenizer import Tokenizer
 from parallel.data.types import DataError, Encoded
 
@@ -33,16 +43,17 @@ def record_fields(cfg: DataConfig) -> tuple[tuple[str, ...], tuple[type, ...]]:
     return (cfg.text_field,), (str,)
 
 
+def source_files(path: str, kind: str, hf_split: str = "train") -> list[Path]:
+    """The files a raw data source of this kind reads."""
+    if kind == "hf_dataset":
+        return hf_dataset_files(path, hf_split)
+    return list_files(path, SUFFIXES.get(kind))
+
+
 def source_size(cfg: DataConfig) -> int:
     """Bytes of the source files (for a progress bar)."""
-    from parallel.data.readers import SUFFIXES, hf_dataset_files, list_files
-
     assert cfg.path is not None
-    if cfg.kind == "hf_dataset":
-        files = hf_dataset_files(cfg.path, cfg.hf_split)
-    else:
-        files = list_files(cfg.path, SUFFIXES.get(cfg.kind))
-    return sum(f.stat().st_size for f in files)
+    return sum(f.stat().st_size for f in source_files(cfg.path, cfg.kind, cfg.hf_split))
 
 
 def read_rows(cfg: DataConfig, bad: BadRows, what: str = "data.path") -> Iterator[list[Row]]:

@@ -50,8 +50,8 @@ class BadRows:
             self.examples.append(f"{where}: {reason}")
 
 
-def _walk(root: str, rel: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], os.DirEntry[str]]]:
-    """(path parts under the root, entry) of every file below `root`, hidden and SKIP_DIRS folders pruned,
+def _walk(root: str, rel: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], str]]:
+    """(path parts under the root, path) of every file below `root`, hidden and SKIP_DIRS folders pruned,
     not walked: a data folder such as a Python install holds tens of thousands of files in site-packages
     that a walk-then-filter stats for nothing (seconds per process). Links to folders are not followed."""
     try:
@@ -66,15 +66,7 @@ def _walk(root: str, rel: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...
             if e.name not in SKIP_DIRS:
                 yield from _walk(e.path, (*rel, e.name))
         elif e.is_file():
-            yield (*rel, e.name), e
-
-
-def _data_entries(path: str, suffixes: tuple[str, ...] | None) -> list[tuple[Path, os.DirEntry[str] | None]]:
-    p = Path(path).expanduser()
-    if p.is_file():
-        return [(p, None)]
-    found = sorted((parts, e) for parts, e in _walk(str(p)) if suffixes is None or e.name.endswith(suffixes))
-    return [(Path(e.path), e) for _, e in found]
+            yield (*rel, e.name), e.path
 
 
 def list_files(path: str, suffixes: tuple[str, ...] | None, what: str = "data.path") -> list[Path]:
@@ -83,20 +75,13 @@ def list_files(path: str, suffixes: tuple[str, ...] | None, what: str = "data.pa
     p = Path(path).expanduser()
     if not p.exists():
         raise DataError(f"{what}={path!r} does not exist; point it at a file or a folder of them")
-    files = [f for f, _ in _data_entries(path, suffixes)]
+    if p.is_file():
+        return [p]
+    files = [Path(f) for parts, f in sorted(_walk(str(p))) if suffixes is None or parts[-1].endswith(suffixes)]
     if not files:
         kinds = f" ({', '.join('*' + s for s in suffixes)})" if suffixes else ""
         raise DataError(f"{what}={path!r} holds no data files{kinds}; point it at a folder that does")
     return files
-
-
-def file_stamps(path: str, suffixes: tuple[str, ...] | None, limit: int = 10000) -> list[tuple[str, int, int]]:
-    """(name, size, mtime_ns) of the first `limit` files `list_files` reads: whether the data changed."""
-    out = []
-    for f, e in _data_entries(path, suffixes)[:limit]:
-        st = f.stat() if e is None else e.stat()
-        out.append((str(f), st.st_size, st.st_mtime_ns))
-    return out
 
 
 def _check_value(name: str, value: Any, where: str, bad: BadRows, want: type) -> bool:

@@ -4,8 +4,10 @@ KubeRay manifests start one), a real `unbroken serve --address` process, the SDK
 A 4-worker job on two nodes loses a worker: it recovers from the keepers' memory (the `recovered`
 event's source), replays at most the one step whose snapshot was in flight, and its losses equal one
 process's on the same data (batch invariance). The keepers took their own node's copies through shared
-memory (their frame counts in GET /v1/cluster). A second job submitted with the same spec gets a folder
-of its own and starts at step 1, and `unbroken logs -f` shows its workers' output while it runs.
+memory (their frame counts in GET /v1/cluster). A second job of the same name gets a folder of its own
+and starts at step 1, and `unbroken logs -f` shows its workers' output while it runs; started beside a
+2-worker job that holds half the cluster, it runs at dp 2 and grows to dp 4 once that job is cancelled
+and its workers released, on one process's losses.
 
 On the cluster the KubeRay manifests start, the job is three whole replicas (HSDP 3 x 1) with one hot
 spare: the spare takes the killed rank's place (dp stays 3), the survivors train on in the same
@@ -26,37 +28,46 @@ import httpx
 import pytest
 
 from examples.user_cluster import UNBROKEN, RayStartCluster, Serve, manifest_start_params
+from tests.control_plane import until
 
 DATA = "/usr/lib/python3.11/json"  # a few UTF-8 files every machine with Python has
 STEPS = 12
 KILL_STEP = 5
+LONG = 100_000  # a job the test cancels once it has seen what it waits for
+PACE_S = 0.2  # such a job's pause before each step on every rank (chaos slow_worker): it only has to keep running
 
 
-def job_spec(name: str, chaos: list[dict[str, Any]] | None = None, *, spare: bool = False) -> dict[str, Any]:
-    """FSDP over 2..4 workers; with `spare`, three replicas (HSDP 3 x 1) and one hot spare."""
+def job_spec(name: str, chaos: list[dict[str, Any]] | None = None, *, spare: bool = False, steps: int = STEPS,
+             dp: tuple[int, int] = (2, 4)) -> dict[str, Any]:
+    """FSDP over dp workers; with `spare`, three replicas (HSDP 3 x 1) and one hot spare. The learning rate
+    is constant after warm-up, so a cancelled LONG job's steps follow a reference run of as many steps."""
     par: dict[str, Any] = {"dp_replicate": 3, "dp_shard": 1} if spare else {"dp_shard": -1}
-    dp = {"min": 3, "max": 3} if spare else {"min": 2, "max": 4}
+    dp_range = {"min": 3, "max": 3} if spare else {"min": dp[0], "max": dp[1]}
     return {
         "name": name,
         "model": {"dim": 32, "n_layers": 1, "n_heads": 2, "vocab_size": 256, "max_seq_len": 32},
         "data": {"kind": "text", "path": DATA},
-        "training": {"steps": STEPS, "seq_len": 16, "global_batch_size": 12 if spare else 8},
+        "training": {"steps": steps, "seq_len": 16, "global_batch_size": 12 if spare else 8, "min_lr_ratio": 1.0},
         "parallelism": par,
-        "resources": {"cpus_per_worker": 1, "dp": dp, "spares": 1 if spare else 0},
+        "resources": {"cpus_per_worker": 1, "dp": dp_range, "spares": 1 if spare else 0},
         "checkpoint": {"in_memory_every": 1, "persist_every": 0},
         "fault_tolerance": {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 20, "collective_timeout_s": 20},
         "chaos": chaos or [],
     }
 
 
-def reference_losses(tmp: Path, *, spare: bool = False) -> list[float]:
+def paced(ranks: int) -> list[dict[str, Any]]:
+    return [{"kind": "slow_worker", "step": 0, "rank": r, "seconds": PACE_S} for r in range(ranks)]
+
+
+def reference_losses(tmp: Path, *, spare: bool = False, steps: int = STEPS) -> list[float]:
     """One process, no Ray, same model, data and batch: the trajectory every layout and every dp degree
     must follow."""
     from service.spec import parse_spec
     from tests.runtime.jobs import engine_of
     from workers.launcher import run_local
 
-    spec = job_spec("ref", spare=spare)
+    spec = job_spec("ref", spare=spare, steps=steps)
     spec.update(parallelism={"dp_shard": -1}, resources={"cpus_per_worker": 1, "dp": {"min": 1, "max": 1}})
     res = run_local(engine_of(parse_spec(spec)), 1, tmp / "ref", show_progress=False)
     return [json.loads(x)["loss"] for x in Path(res.metrics_path).read_text().splitlines()]
@@ -114,21 +125,47 @@ def _run_user_path(tmp: Path, cluster: RayStartCluster, *, second_job: bool, spa
         if not second_job:
             return
 
-        # The same spec again: a folder of its own, step 1 first; its output followed while it runs.
-        second = client.submit(job_spec("killed", [{"kind": "kill_worker", "step": KILL_STEP, "rank": 1}]))
+        # The same name again, beside a 2-worker job holding half the cluster: a folder of its own, step 1
+        # first, its output followed while it runs. It starts at dp 2 and grows to dp 4 once the other job
+        # is cancelled and Ray has released its workers.
+        holder = client.submit(job_spec("holder", paced(2), steps=LONG, dp=(2, 2)))
+        until(lambda: (client.get(holder.id).progress.step or 0) >= 1, 300, "the holder job training")
+        second = client.submit(job_spec("killed", paced(4), steps=LONG))
         follow = subprocess.Popen([UNBROKEN, "logs", second.id, "-f"], env=serve.env, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True)
         seen: list[tuple[float, str]] = []
         reader = threading.Thread(target=lambda: seen.extend((time.time(), ln) for ln in follow.stdout or []),
                                   daemon=True)
         reader.start()
-        second_done = client.wait(second.id, timeout=420)
+        until(lambda: (p := client.get(second.id).progress).dp == 2 and (p.step or 0) >= 2, 300,
+              "the second job training at dp 2")
+        client.cancel(holder.id)
+        assert client.wait(holder.id, timeout=120, raise_on_failure=False).status == "CANCELLED"
+        grown = until(lambda: [e for e in client.events(second.id, follow=False)
+                               if e.kind == "resized" and (e.data or {}).get("new_dp") == 4], 300,
+                      "the second job grown to dp 4")[0]
+        until(lambda: any(r["step"] > grown.data["step"] + 2 for r in client.metrics(second.id)), 120,
+              "steps at dp 4")
+        client.cancel(second.id)
+        second_done = client.wait(second.id, timeout=120, raise_on_failure=False)
         t_end = time.time()
         follow.wait(timeout=60)
         reader.join(10)
-        assert second_done.status == "SUCCEEDED", second_done
+        assert second_done.status == "CANCELLED", second_done
+        evs = list(client.events(second.id, follow=False))
+        grow = [e for e in evs if e.kind == "grow"]
+        assert [e.message for e in grow] == [f"grown 2→4: capacity freed by job {holder.id}"], [
+            (e.kind, e.message) for e in evs]
+        released = [e.ts for e in client.events(holder.id, follow=False) if e.kind == "released"]
+        print(f"\ngrowth: decided {grow[0].ts - released[0]:.1f}s after the holder's workers were released, "
+              f"trained at dp 4 {grown.ts - grow[0].ts:.1f}s after the decision")
+        assert "failure_detected" not in [e.kind for e in evs]
         rows2 = client.metrics(second.id)
-        assert rows2[0]["step"] == 1 and len(rows2) == STEPS
+        dps = [r["dp"] for r in rows2]
+        assert dps[0] == 2 and dps[-1] == 4 and dps == sorted(dps), dps
+        assert [r["step"] for r in rows2] == list(range(1, len(rows2) + 1))
+        ref2 = reference_losses(tmp / "grown", steps=len(rows2))
+        assert [r["loss"] for r in rows2] == pytest.approx(ref2, abs=1e-4)
         dirs = {e.data["output_dir"] for j in (job, second) for e in client.events(j.id, follow=False)
                 if e.kind == "started" and e.data}
         assert len(dirs) == 2 and all(Path(d).parent == tmp / "home" / "runs" for d in dirs), dirs

@@ -131,8 +131,10 @@ class StagingPlan:
     Planning (DCP's save planner, the signature of every DTensor) and resolving each item's local shard
     cost 1.5-3 ms of Python per snapshot for ~100 tensors, on a thread that shares the GIL with training;
     a Trainer's state_dict() returns the same tensor objects every step, so that work is done once. Kept
-    only while every entry is the same object over the same storage (identity, data_ptr, shape): a
-    tensor replaced, moved, resized or re-sharded is planned and resolved again."""
+    only while every entry is the same object over the same storage (identity, data_ptr, shape). A plain
+    tensor replaced by another of the same shape and dtype (the RNG state: a new tensor every step) is
+    resolved again alone; any other change (a DTensor replaced, a tensor moved, resized or re-sharded, a
+    key added) is planned and resolved again whole."""
 
     def __init__(self) -> None:
         self.layout: ShardLayout | None = None
@@ -140,10 +142,21 @@ class StagingPlan:
         self.sources: list[Any] = []
         self._keys: tuple[str, ...] = ()
         self._seen: list[tuple[Any, Any, int, tuple[int, ...]]] = []  # per flat entry: obj, local, ptr, shape
+        self._slots_of: dict[str, list[int]] = {}  # flat key -> the slots it fills
 
     def update(self, state: dict[str, Any], flat: dict[str, Any]) -> bool:
         """Bring the plan up to date with `flat` (flatten(state)); True when the layout changed."""
-        if self._still(flat):
+        replaced = self._replaced(flat)
+        if replaced is not None:  # [] when nothing changed
+            assert self.layout is not None
+            sources = list(self.sources)
+            for i in replaced:
+                key = self._keys[i]
+                for slot in self._slots_of.get(key, ()):
+                    sources[slot] = resolve(flat, self.layout.items[self.layout.slots[slot].item])
+                self._seen[i] = _seen_entry(flat[key])
+            if replaced:
+                self.sources = sources
             return False
         changed = self.layout is None or self.layout.signature != _signature(flat)
         if changed:
@@ -151,21 +164,39 @@ class StagingPlan:
             self.layout_bytes = self.layout.to_bytes()
         assert self.layout is not None
         self.sources = [resolve(flat, self.layout.items[s.item]) for s in self.layout.slots]
+        self._slots_of = {}
+        for n, s in enumerate(self.layout.slots):
+            self._slots_of.setdefault(self.layout.items[s.item].index.fqn, []).append(n)
         self._keys = tuple(flat)
-        self._seen = [(v, _local(v), _local(v).data_ptr(), tuple(_local(v).shape)) if isinstance(v, torch.Tensor)
-                      else (None, None, 0, ()) for v in flat.values()]  # fmt: skip
+        self._seen = [_seen_entry(v) for v in flat.values()]
         return changed
 
-    def _still(self, flat: dict[str, Any]) -> bool:
+    def _replaced(self, flat: dict[str, Any]) -> list[int] | None:
+        """The entries (by position) that are another plain tensor of the same shape and dtype, when
+        that is all that changed; None when the plan must be made again."""
         if self.layout is None or tuple(flat) != self._keys:
-            return False
-        for v, (obj, local, ptr, shape) in zip(flat.values(), self._seen, strict=True):
+            return None
+        out: list[int] = []
+        for i, (v, (obj, local, ptr, shape)) in enumerate(zip(flat.values(), self._seen, strict=True)):
             if not isinstance(v, torch.Tensor):
                 if obj is not None:
-                    return False
-            elif v is not obj or _local(v) is not local or local.data_ptr() != ptr or tuple(local.shape) != shape:
-                return False
-        return True
+                    return None
+            elif v is not obj:
+                if isinstance(v, DTensor) or isinstance(obj, DTensor) or obj is None \
+                        or tuple(v.shape) != shape or v.dtype != obj.dtype:
+                    return None
+                out.append(i)
+            elif _local(v) is not local or local.data_ptr() != ptr or tuple(local.shape) != shape:
+                return None
+        return out
+
+
+def _seen_entry(v: Any) -> tuple[Any, Any, int, tuple[int, ...]]:
+    """What StagingPlan compares a flat entry by on the next snapshot: object, local shard, storage, shape."""
+    if not isinstance(v, torch.Tensor):
+        return (None, None, 0, ())
+    local = _local(v)
+    return (v, local, local.data_ptr(), tuple(local.shape))
 
 
 def slot_views(buf: torch.Tensor, layout: ShardLayout) -> list[torch.Tensor]:

@@ -40,6 +40,17 @@ def test_a_plan_is_kept_while_the_tensors_are_the_same_and_redone_when_one_chang
     sources = plan.sources
     state["model"]["weight"] = weight.detach().clone()  # another object, same shape: same layout, new sources
     assert _update(plan, state) is False and plan.sources is not sources
+    # ... resolved again alone (as the RNG state is, a new tensor every step): the other slots keep theirs
+    new_ptr = state["model"]["weight"].data_ptr()
+    kept = [a is b for a, b in zip(plan.sources, sources, strict=True)]
+    assert kept.count(False) == 1 and plan.sources[kept.index(False)].data_ptr() == new_ptr
+    assert _update(plan, state) is False  # and seen as the same from then on
+    assert plan.sources[kept.index(False)].data_ptr() == new_ptr
+
+    state["model"]["weight"] = torch.zeros(3, 4, dtype=torch.float64)  # another dtype: a new layout
+    assert _update(plan, state) is True
+    state["model"]["weight"] = torch.zeros(3, 4)
+    assert _update(plan, state) is True
 
     state["model"]["weight"] = torch.zeros(5, 4)  # another shape: a new layout
     assert _update(plan, state) is True

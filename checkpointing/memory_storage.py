@@ -148,15 +148,8 @@ class StagingPlan:
         """Bring the plan up to date with `flat` (flatten(state)); True when the layout changed."""
         replaced = self._replaced(flat)
         if replaced is not None:  # [] when nothing changed
-            assert self.layout is not None
-            sources = list(self.sources)
-            for i in replaced:
-                key = self._keys[i]
-                for slot in self._slots_of.get(key, ()):
-                    sources[slot] = resolve(flat, self.layout.items[self.layout.slots[slot].item])
-                self._seen[i] = _seen_entry(flat[key])
             if replaced:
-                self.sources = sources
+                self._resolve_again(flat, replaced)
             return False
         changed = self.layout is None or self.layout.signature != _signature(flat)
         if changed:
@@ -170,6 +163,18 @@ class StagingPlan:
         self._keys = tuple(flat)
         self._seen = [_seen_entry(v) for v in flat.values()]
         return changed
+
+    def _resolve_again(self, flat: dict[str, Any], entries: list[int]) -> None:
+        """The slots of these flat entries (by position) from their new tensors, in a new sources list (a
+        copy being staged keeps the list it took)."""
+        assert self.layout is not None
+        sources = list(self.sources)
+        for i in entries:
+            key = self._keys[i]
+            for slot in self._slots_of.get(key, ()):
+                sources[slot] = resolve(flat, self.layout.items[self.layout.slots[slot].item])
+            self._seen[i] = _seen_entry(flat[key])
+        self.sources = sources
 
     def _replaced(self, flat: dict[str, Any]) -> list[int] | None:
         """The entries (by position) that are another plain tensor of the same shape and dtype, when

@@ -18,11 +18,11 @@ from parallel.data.prepare import prepare_dataset
 from parallel.data.tokenizer import load_tokenizer
 from parallel.trainer import Trainer
 from tests.runtime.conftest import make_cluster
-from tests.runtime.jobs import JobRun, assert_no_leaks, engine_of, tiny_spec
+from tests.runtime.jobs import JobRun, assert_no_leaks, engine_of, paced, tiny_spec
 
 STEPS = 40
 # Every rank sleeps before each step (as tests/runtime/test_nodes.py): time for a replacement to start.
-SLOW = [{"kind": "slow_worker", "step": 0, "rank": r, "seconds": 0.3} for r in range(4)]
+SLOW = paced(4, 0.3)
 
 
 @pytest.fixture(scope="module")

@@ -33,6 +33,12 @@ def tiny_spec(out: Path, *, steps: int = 8, dp: int = 4, tp: int = 1, dp_min: in
     })
 
 
+def paced(ranks: int, seconds: float) -> list[dict[str, Any]]:
+    """Chaos that slows every rank alike (no straggler) by `seconds` before each step: a job that only has
+    to keep running while a test acts on it, without the CPUs that jobs starting beside it need."""
+    return [{"kind": "slow_worker", "step": 0, "rank": r, "seconds": seconds} for r in range(ranks)]
+
+
 def engine_of(spec: Any) -> Any:
     """The engine part of a job spec (what the local launcher runs)."""
     from parallel.config import EngineConfig

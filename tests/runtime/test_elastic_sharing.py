@@ -30,7 +30,7 @@ from examples.user_cluster import UNBROKEN, RayStartCluster, Serve
 from service.local_cluster import LocalCluster
 from tests.control_plane import ControlPlane, until
 from tests.runtime.conftest import make_cluster
-from tests.runtime.jobs import assert_same_losses, engine_of, tiny_spec
+from tests.runtime.jobs import assert_same_losses, engine_of, paced, tiny_spec
 
 AFTER_GROWTH = 4  # steps the low job trains at dp 4 again before the test cancels it
 PACE_S = 0.2  # the long-running jobs' pause before each step (see spec)
@@ -44,7 +44,7 @@ def cluster() -> Iterator[LocalCluster]:
 def spec(out: Path, *, steps: int, dp: int, dp_min: int, priority: int, name: str, pace_s: float = 0.0) -> Any:
     """`pace_s`: every rank sleeps that long before each step (chaos slow_worker), so a job that only
     has to keep running leaves the 3 CPUs to the jobs starting beside it (and its reference run is short)."""
-    chaos = [{"kind": "slow_worker", "step": 0, "rank": r, "seconds": pace_s} for r in range(dp)] if pace_s else None
+    chaos = paced(dp, pace_s) if pace_s else None
     s = tiny_spec(out, steps=steps, dp=dp, dp_min=dp_min, chaos=chaos)
     training = s.training.model_copy(update={"min_lr_ratio": 1.0})  # constant after warm-up: see above
     return s.model_copy(update={"training": training, "priority": priority, "name": name})

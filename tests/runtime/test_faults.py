@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.runtime.jobs import JobRun, assert_no_leaks, assert_same_losses, engine_of, tiny_spec
+from tests.runtime.jobs import JobRun, assert_no_leaks, assert_same_losses, engine_of, paced, tiny_spec
 
 
 @pytest.fixture(scope="module")
@@ -177,8 +177,7 @@ def test_supervisor_crash_is_survived(reference: list[dict[str, Any]], tmp_path:
     on from the last committed snapshot, with the same losses."""
     import ray
 
-    run = JobRun(tiny_spec(tmp_path, steps=8, chaos=[{"kind": "slow_worker", "step": 0, "rank": r, "seconds": 0.5}
-                                                      for r in range(4)]))
+    run = JobRun(tiny_spec(tmp_path, steps=8, chaos=paced(4, 0.5)))
     try:
         while not any(e["kind"] == "generation" for e in run.poll()):
             time.sleep(0.3)

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from examples.user_cluster import PrivateRedis, RayStartCluster, Serve
+from tests.runtime.jobs import paced
 from tests.runtime.test_user_path import job_spec as user_job_spec
 
 STEPS = 60
@@ -36,7 +37,7 @@ def job_spec() -> dict[str, Any]:
     spec["fault_tolerance"]["wait_for_capacity_s"] = 300  # a replacement worker waits for the GCS to be back
     # Slow (every rank alike: no straggler) so the job still runs when the head is back, and a worker
     # killed late: a recovery needs the GCS (new actors, placement groups), after the restart or waiting for it.
-    spec["chaos"] = [{"kind": "slow_worker", "step": 0, "rank": r, "seconds": 0.5} for r in range(2)]
+    spec["chaos"] = paced(2, 0.5)
     spec["chaos"].append({"kind": "kill_worker", "step": KILL_WORKER_AT, "rank": 1, "generation": None})
     return spec
 

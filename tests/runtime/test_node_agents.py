@@ -291,9 +291,9 @@ def bc_cluster() -> Iterator[Any]:
 def test_a_hung_node_is_found_by_its_group_leaders_agent(bc_cluster: Any, tmp_path: Path) -> None:
     import ray
 
-    from tests.runtime.jobs import JobRun, assert_no_leaks, tiny_spec
+    from tests.runtime.jobs import JobRun, assert_no_leaks, paced, tiny_spec
 
-    slow = [{"kind": "slow_worker", "step": 0, "rank": r, "seconds": 0.3} for r in range(4)]
+    slow = paced(4, 0.3)
     run = JobRun(tiny_spec(tmp_path, steps=40, chaos=slow))
     try:
         deadline = time.monotonic() + 300

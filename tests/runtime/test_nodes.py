@@ -18,10 +18,10 @@ import pytest
 
 from service.local_cluster import LocalCluster
 from tests.runtime.conftest import make_cluster
-from tests.runtime.jobs import JobRun, assert_no_leaks, assert_same_losses, tiny_spec
+from tests.runtime.jobs import JobRun, assert_no_leaks, assert_same_losses, paced, tiny_spec
 
 STEPS = 60
-SLOW = [{"kind": "slow_worker", "step": 0, "rank": r, "seconds": 0.4} for r in range(4)]  # time to grow
+SLOW = paced(4, 0.4)  # time to grow
 
 
 @pytest.fixture(scope="module")

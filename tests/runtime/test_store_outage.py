@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from examples.user_cluster import Serve
+from tests.runtime.jobs import paced
 from tests.service.private_pg import private_postgres
 
 DATA = "/usr/lib/python3.11/json"
@@ -34,7 +35,7 @@ def job_spec() -> dict[str, Any]:
         "resources": {"cpus_per_worker": 1, "dp": {"min": 2, "max": 2}},
         "checkpoint": {"in_memory_every": 1, "persist_every": 0},
         # Every step slowed (all ranks alike, so no straggler) keeps the job running through the outage.
-        "chaos": [{"kind": "slow_worker", "step": 0, "rank": r, "seconds": 0.25} for r in range(2)],
+        "chaos": paced(2, 0.25),
     }
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.runtime.jobs import assert_no_leaks, assert_same_losses, engine_of, tiny_spec
+from tests.runtime.jobs import assert_no_leaks, assert_same_losses, engine_of, paced, tiny_spec
 
 STEPS = 30  # the ranks must not reach the end while the supervisor is down
 
@@ -41,7 +41,7 @@ def test_supervisor_killed_while_workers_train_on(head_cluster: Any, tmp_path: P
 
     # Every rank's step takes ~0.4 s, so the ranks train on for several steps while the supervisor is
     # down; rank 1's step 3 raises first: one recovery, counted before the restart.
-    slow = [{"kind": "slow_worker", "step": 0, "rank": r, "seconds": 0.4} for r in range(2)]
+    slow = paced(2, 0.4)
     # And from step 6 a line in the job's logs at every step of rank 0 (each fault once per job): those
     # printed while the supervisor is down must reach the logs too (Worker.lines_after).
     marks = [{"kind": "slow_worker", "step": s, "rank": 0, "seconds": 0.4, "generation": None}

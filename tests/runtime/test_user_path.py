@@ -29,6 +29,7 @@ import pytest
 
 from examples.user_cluster import UNBROKEN, RayStartCluster, Serve, manifest_start_params
 from tests.control_plane import until
+from tests.runtime.jobs import paced
 
 DATA = "/usr/lib/python3.11/json"  # a few UTF-8 files every machine with Python has
 STEPS = 12
@@ -54,10 +55,6 @@ def job_spec(name: str, chaos: list[dict[str, Any]] | None = None, *, spare: boo
         "fault_tolerance": {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 20, "collective_timeout_s": 20},
         "chaos": chaos or [],
     }
-
-
-def paced(ranks: int) -> list[dict[str, Any]]:
-    return [{"kind": "slow_worker", "step": 0, "rank": r, "seconds": PACE_S} for r in range(ranks)]
 
 
 def reference_losses(tmp: Path, *, spare: bool = False, steps: int = STEPS) -> list[float]:
@@ -128,9 +125,9 @@ def _run_user_path(tmp: Path, cluster: RayStartCluster, *, second_job: bool, spa
         # The same name again, beside a 2-worker job holding half the cluster: a folder of its own, step 1
         # first, its output followed while it runs. It starts at dp 2 and grows to dp 4 once the other job
         # is cancelled and Ray has released its workers.
-        holder = client.submit(job_spec("holder", paced(2), steps=LONG, dp=(2, 2)))
+        holder = client.submit(job_spec("holder", paced(2, PACE_S), steps=LONG, dp=(2, 2)))
         until(lambda: (client.get(holder.id).progress.step or 0) >= 1, 300, "the holder job training")
-        second = client.submit(job_spec("killed", paced(4), steps=LONG))
+        second = client.submit(job_spec("killed", paced(4, PACE_S), steps=LONG))
         follow = subprocess.Popen([UNBROKEN, "logs", second.id, "-f"], env=serve.env, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True)
         seen: list[tuple[float, str]] = []

@@ -10,6 +10,7 @@ The job states users see (service.state_machine) are reported by the states as t
 
 from __future__ import annotations
 
+import logging
 import time
 import traceback
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ from service.supervisor.pool import ReplicaPool, ReplicaState, Slot
 from service.supervisor.reporter import RecoveryTiming, Reporter
 from service.supervisor.words import plural
 from workers.protocol import RunStatus
+
+log = logging.getLogger("unbroken.supervisor")
 
 _START_GRACE_S = 2.0
 _SPARES_GRACE_S = 15.0  # how long a started group waits for its spares that are starting with it
@@ -309,6 +312,7 @@ class Controller:
         for s in slots:  # a rank whose own step raised (not a broken collective) is replaced
             res = s.result
             if s.dead is None and res is not None and res.status == RunStatus.ERROR and not res.collective:
+                log.warning("%s (rank %s) is replaced: its step raised %s", s.name, s.rank, (res.error or "")[-600:])
                 pool.kill(s, "its step raised")
         lost = [rep.index for rep in active if any(s.dead is not None for s in rep.slots)]
         for rep in active:

@@ -7,6 +7,7 @@ until it ends, stop it.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from enum import Enum
 from typing import Any
@@ -24,6 +25,8 @@ from service.supervisor.reporter import Reporter
 from service.supervisor.words import first_line, plural, restore_phrase
 from workers import telemetry
 from workers.protocol import Heartbeat, RunResult, RunStatus
+
+log = logging.getLogger("unbroken.supervisor")
 
 _POLL_S = 0.05
 # How long a broken collective waits for the failure of a rank's own that broke it (see settle).
@@ -444,6 +447,8 @@ class Generations:
         for s in slots:
             if s.result is None and s.dead is None:
                 s.dead = "could not leave its group in time"
+                log.warning("%s (rank %s) is replaced: it did not return from its generation's run in time",
+                            s.name, s.rank)
                 with contextlib.suppress(Exception):
                     ray.kill(s.handle, no_restart=True)
 

@@ -4,6 +4,7 @@ generation) and which are the job's own (reported as such): workers.worker_tiers
 from __future__ import annotations
 
 import pytest
+import torch.distributed
 
 from workers.worker_tiers import NothingToRestore, is_collective_error
 
@@ -14,6 +15,11 @@ from workers.worker_tiers import NothingToRestore, is_collective_error
     ValueError("Group <torch.distributed.distributed_c10d.ProcessGroup object at 0x7f50> is not registered, "
                "please create group with torch.distributed.new_group API"),
     RuntimeError("Timed out waiting 10000ms for recv operation to complete"),
+    # A survivor joining the next generation when the rendezvous store's host (rank 0) was lost with its
+    # node (goodput_bench: a sigkill, then a node loss during the re-form): it must be kept, not replaced.
+    torch.distributed.DistNetworkError("Broken pipe"),
+    RuntimeError("DistNetworkError: Broken pipe"),  # as a run result's error string carries it
+    BrokenPipeError(32, "Broken pipe"),
 ])
 def test_a_broken_group_is_a_collective_error(error: BaseException) -> None:
     assert is_collective_error(error)

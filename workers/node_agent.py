@@ -274,7 +274,7 @@ class NodeAggregator:
                 kind, detail = "died", f"{r.worker} (rank {r.rank}): its process exited (seen by {self.name})"
                 t_fault = now
             elif state == "stopped":
-                kind, detail = "hang", f"{r.worker} (rank {r.rank}): its process is stopped (SIGSTOP)"
+                kind, detail = "stopped", f"{r.worker} (rank {r.rank}): its process is stopped (SIGSTOP)"
                 t_fault = r.seen
             elif now - r.seen > self.heartbeat_timeout_s:
                 kind = "hang"

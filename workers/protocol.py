@@ -127,12 +127,14 @@ class RunResult:
 
 @dataclass
 class RankLost:
-    """A rank its node agent saw go: its process exited (`died`) or it fell silent (`hang`)."""
+    """A rank its node agent saw go: its process exited (`died`), was stopped (`stopped`: SIGSTOP or a
+    tracer, so it makes no progress: a hang seen without waiting for heartbeat_timeout_s) or fell silent
+    (`hang`)."""
 
     worker: str
     rank: int
     generation: int
-    kind: str  # "died" | "hang"
+    kind: str  # "died" | "stopped" | "hang"
     detail: str
     t_fault: float | None  # its last heartbeat (hang) or when its exit was first seen (died)
     t_seen: float

@@ -64,6 +64,9 @@ class ScalingPolicy:
 
     dp_min: int
     dp_max: int
+    # Ready replicas wait this long at most for others still starting, to grow once with all of them: a
+    # growth's pause costs about a second, a worker's start on a busy node can take ten.
+    grow_wait_s: float = 2.0
 
     def choose(self, live_replicas: int, startable_replicas: int = 0) -> int | None:
         """The largest dp the live plus startable replicas allow, capped at dp_max; None below dp_min."""
@@ -73,6 +76,11 @@ class ScalingPolicy:
     def wants_growth(self, dp: int, spare_replicas: int) -> int:
         """How many spare replicas to add now (0 when at max or none are ready)."""
         return max(0, min(self.dp_max - dp, spare_replicas))
+
+    def grow_now(self, starting: int, ready_for_s: float) -> bool:
+        """Whether to grow with the ready replicas now (the first of them ready for `ready_for_s`) rather
+        than wait for the `starting` ones and grow once."""
+        return starting == 0 or ready_for_s >= self.grow_wait_s
 
 
 @dataclass

@@ -186,13 +186,15 @@ class AgentTracker:
             if s is None:
                 s = self.suspects[n] = Suspect(n, since, now, self.lost_by.get(n))
             outcome = pings.get(n, "none")
-            if outcome == "answered":
+            # Ray's node table before a ping's answer: a ping answered just before the node went (its
+            # agent outlives its raylet for a moment) is not a slow node, and must not raise the patience.
+            if n in dead_nodes:
+                why = "the node is gone (Ray's node table says so, or its raylet refuses connections)"
+            elif outcome == "answered":
                 self._answered(s, now)
                 continue
-            if outcome == "died":
+            elif outcome == "died":
                 why = "its agent is gone (Ray says the actor died)"
-            elif n in dead_nodes:
-                why = "the node is gone (Ray's node table says so, or its raylet refuses connections)"
             elif now - s.found > patience:
                 why = f"its agent did not answer a ping for {now - s.found:.1f}s (patience {patience:.1f}s)"
             else:

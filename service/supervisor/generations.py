@@ -378,8 +378,9 @@ class Generations:
         else:
             if run.dp >= self.target or pool.count(ReplicaState.READY) == 0:
                 return
-            if pool.count(ReplicaState.STARTING):
-                return  # more replicas are on their way: grow once, with all of them
+            ready_for = time.monotonic() - min(r.since for r in pool.in_state(ReplicaState.READY))
+            if not self.scaling.grow_now(pool.count(ReplicaState.STARTING), ready_for):
+                return  # more replicas are on their way: grow once, with all of them, unless they are slow
             if min(self.scaling.wants_growth(run.dp, pool.count(ReplicaState.READY)), self.target - run.dp) <= 0:
                 return
             why = f"{pool.count(ReplicaState.READY)} spare replica(s) ready: growing"

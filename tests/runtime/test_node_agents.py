@@ -191,6 +191,11 @@ def test_a_silent_node_is_written_off_only_when_confirmed_and_a_false_alarm_buys
     assert [e[1]["reason"] for e in events[-2:]] == [
         "the node is gone (Ray's node table says so, or its raylet refuses connections)",
         "its agent is gone (Ray says the actor died)"]
+    # A ping answered just before its node went does not outweigh Ray's node table (nor raise the patience).
+    alarms, now = tracker.false_alarms, now + 1.0
+    silent = [("n0", now - 0.5)]
+    assert tracker.judge(silent, now, {"n0": "answered"}, {"n0"}) == silent
+    assert tracker.false_alarms == alarms and events[-1][0] == "agent_lost"
 
 
 def test_a_leader_gives_a_slow_member_back_its_watch_and_more_patience() -> None:

@@ -29,6 +29,10 @@ def test_scaling_policy_takes_the_largest_dp_within_min_and_max() -> None:
     assert p.choose(3, 2) == 4
     assert p.choose(1) is None and p.choose(1, 1) == 2
     assert p.wants_growth(3, 5) == 1 and p.wants_growth(4, 2) == 0 and p.wants_growth(2, 0) == 0
+    # Ready replicas wait for those still starting (one pause), but not past grow_wait_s.
+    assert p.grow_now(starting=0, ready_for_s=0.0)
+    assert not p.grow_now(starting=1, ready_for_s=p.grow_wait_s / 2)
+    assert p.grow_now(starting=1, ready_for_s=p.grow_wait_s)
 
 
 def test_failure_policy_limits_recoveries_and_repeated_step_errors() -> None:

@@ -152,11 +152,13 @@ class FailureDetector:
                 return Failure(kind, [s], self._death_text(s, kind, x.detail), now, t_fault=t_fault)
             cause = f" (hung by chaos: {fault.kind})" if fault else ""
             if x.kind == "stopped":  # seen in its process's state, before any heartbeat was missed
-                return Failure(FailureKind.HANG, [s], f"Rank {s.rank} ({s.short}) hangs: its process is stopped"
-                               f"{cause} (seen by its node's agent).", now, t_fault=t_fault)
-            silent = f"sent no heartbeat for {now - x.t_fault:.1f}s" if x.t_fault is not None else x.detail
-            return Failure(FailureKind.HANG, [s], f"Rank {s.rank} ({s.short}) {silent}{cause}; heartbeat_timeout_s="
-                           f"{self.run.ft.heartbeat_timeout_s:g} (seen by its node's agent).", now, t_fault=t_fault)
+                what = "hangs: its process is stopped"
+            else:
+                silent = f"sent no heartbeat for {now - x.t_fault:.1f}s" if x.t_fault is not None else x.detail
+                what = f"{silent}{cause}; heartbeat_timeout_s={self.run.ft.heartbeat_timeout_s:g}"
+                cause = ""
+            return Failure(FailureKind.HANG, [s], f"Rank {s.rank} ({s.short}) {what}{cause} (seen by its node's agent).",
+                           now, t_fault=t_fault)
         for node, seen in silent:
             gone = [s for s in by_name.values() if (s.info or {}).get("node_name") == node]
             if gone:

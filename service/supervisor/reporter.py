@@ -268,8 +268,10 @@ class Reporter:
         self.last_row = rows[-1]
         if self.writer is not None:
             self.writer.put("metrics", run.store.add_metrics, run.job_id, rows, row_step=int(rows[-1]["step"]))
-        if self.recovery is not None and rows[-1].get("generation") == run.generation:
-            self._recovered_row = self._recovered_row or rows[-1]
+        if self.recovery is not None and self._recovered_row is None:
+            # The generation's first row, not the batch's last: rows arrive a few steps at a time, and a
+            # recovery ends at its first completed step.
+            self._recovered_row = next((r for r in rows if r.get("generation") == run.generation), None)
         self._finish_recovery_when_formed()
 
     def _finish_recovery_when_formed(self, *, at_end: bool = False) -> None:

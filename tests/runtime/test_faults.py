@@ -51,6 +51,9 @@ def _check_recovered(run: JobRun, ref: list[dict[str, Any]], *, resizes: list[tu
         for k in ("detect_s", "reform_s", "restore_s", "replay_s"):
             assert k in ev["data"]
         assert ev["data"]["in_place_ranks"] == [], ev  # a new dp: every rank builds its model anew
+        # It ends at its generation's first completed step, however many rows came in one batch.
+        firsts = [r["step"] for r in run.rows() if r["generation"] == ev["data"]["generation"]]
+        assert ev["data"]["first_step"] == min(firsts), (ev, firsts)
     assert_same_losses(run.rows(), ref)
 
 

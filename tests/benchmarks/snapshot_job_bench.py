@@ -14,6 +14,10 @@ falls on both. Per preset (debug, small):
   kind: workers, keepers, node agents, supervisor, and Ray's own daemons. On 2 cores every CPU-second
   the snapshot path spends is taken from training, so this is the cost itself, steadier than wall-clock
   tokens/s when the machine's share of its host varies.
+- optionally (`--threads`) that CPU for the workers and keepers split by thread: training, the snapshot's
+  copier and sender, the keeper's stream and main threads, the rest (gloo, Ray's own) - named by py-spy
+  (which Ray installs), read from /proc. It shows what each part of the snapshot path costs, and how
+  much slower the training thread itself runs beside it.
 - optionally (`--tcp`) an arm whose copy to its own node's keeper goes over the socket rather than
   shared memory (`checkpoint.snapshot_shared_memory: false`), and (`--persist N`) an arm with a
   persistent checkpoint every N steps as well (file://).
@@ -25,8 +29,12 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import contextlib
 import os
+import re
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -82,6 +90,43 @@ def ray_cpu_s() -> dict[int, tuple[str, float]]:
     return out
 
 
+# A Python thread's name prefix -> its role in --threads; the training thread is found by its stack.
+_ROLES = (("snapshot-copy", "copier"), ("snapshot-r", "sender"), ("shard-stream", "stream"),
+          ("heartbeat", "heartbeat"), ("MainThread", "main"))
+_DUMP = re.compile(r'^Thread (\d+) \([^)]*\): "([^"]*)"', re.MULTILINE)
+
+
+def thread_roles(pid: int) -> dict[int, str]:
+    """tid -> role of a process's Python threads (py-spy dump, not pausing it); a thread whose stack is in
+    Worker.run is "training". Threads Python does not know (gloo's, Ray's) are not in it."""
+    spy = Path(sys.executable).with_name("py-spy")
+    try:
+        out = subprocess.run([str(spy), "dump", "--nonblocking", "-p", str(pid)], capture_output=True, text=True,
+                             timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    heads = list(_DUMP.finditer(out))
+    roles: dict[int, str] = {}
+    for i, m in enumerate(heads):
+        stack = out[m.end(): heads[i + 1].start() if i + 1 < len(heads) else len(out)]
+        role = next((r for prefix, r in _ROLES if m.group(2).startswith(prefix)), "other")
+        roles[int(m.group(1))] = "training" if "Worker.run" in stack else role
+    return roles
+
+
+def thread_cpu_s(pids: list[int]) -> dict[tuple[int, int], float]:
+    """(pid, tid) -> CPU seconds so far of every thread of these processes (/proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[tuple[int, int], float] = {}
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(OSError, IndexError, ValueError):
+                    f = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+                    out[(pid, int(tid))] = (int(f[11]) + int(f[12])) / tick
+    return out
+
+
 def cpu_between(c0: dict[int, tuple[str, float]], c1: dict[int, tuple[str, float]]) -> dict[str, float]:
     """CPU seconds by kind spent between two ray_cpu_s() readings, by the processes alive at both (an
     earlier job's workers still exiting at the first are not this job's)."""
@@ -101,21 +146,30 @@ def step_position(ends: list[float], t: float) -> float:
     return i + (t - ends[i - 1]) / max(ends[i] - ends[i - 1], 1e-9)
 
 
-def _job(out: Path, preset: str, ckpt: dict[str, Any]) -> dict[str, Any]:
-    """One job to the end; its steady wall-clock tokens/s, blocking times and CPU per steady step."""
+def _job(out: Path, preset: str, ckpt: dict[str, Any], threads: bool = False) -> dict[str, Any]:
+    """One job to the end; its steady wall-clock tokens/s, blocking times and CPU per steady step (and,
+    with `threads`, the workers' and keepers' CPU per steady step by thread role)."""
     from tests.runtime.jobs import JobRun
 
     run = JobRun(_spec(out, preset, ckpt), job_id=f"sjb-{uuid.uuid4().hex[:6]}")
     # CPU readings with their times: a row reaches the store up to a second after its step ended (the
     # agents batch them), so the window is placed by the steps' own end times, not by when rows arrive.
     readings: list[tuple[float, dict[int, tuple[str, float]]]] = []
+    per_thread: list[dict[tuple[int, int], float]] = []  # beside each reading, with --threads
+    roles: dict[tuple[int, int], tuple[str, str]] = {}  # (pid, tid) -> (kind, role), named once training runs
     try:
         while True:
             try:
                 st = run.wait(timeout_s=0.2)
                 break
             except TimeoutError:
-                readings.append((time.time(), ray_cpu_s()))
+                cpu = ray_cpu_s()
+                readings.append((time.time(), cpu))
+                if threads:
+                    data = [p for p, (k, _) in cpu.items() if k in ("workers", "keepers")]
+                    per_thread.append(thread_cpu_s(data))
+                    if not roles and _rows_so_far(run) >= WARM[preset]:
+                        roles = {(p, t): (cpu[p][0], r) for p in data for t, r in thread_roles(p).items()}
     finally:
         run.finish()
     if st["state"] != "SUCCEEDED":
@@ -129,16 +183,37 @@ def _job(out: Path, preset: str, ckpt: dict[str, Any]) -> dict[str, Any]:
     ends = [r["end_time"] for r in all_rows]
     window = [(t, c) for t, c in readings if rows[0]["end_time"] <= t <= rows[-2]["end_time"]]
     cpu: dict[str, float] = {}
+    by_thread: dict[str, float] = {}
+    inside = [i for i, (t, _) in enumerate(readings) if rows[0]["end_time"] <= t <= rows[-2]["end_time"]]
     if len(window) >= 2:  # the first and last reading inside the steady steps, per step done between them
         (t0, c0), (t1, c1) = window[0], window[-1]
         done = step_position(ends, t1) - step_position(ends, t0)
         if done > 0:
             cpu = {k: v / done for k, v in cpu_between(c0, c1).items()}
+            if per_thread:
+                a, b = per_thread[inside[0]], per_thread[inside[-1]]
+                for key, v in b.items():
+                    if key in a:
+                        kind, role = roles.get(key, (cpu_kind(c1, key[0]), "other"))
+                        name = f"{kind} {role}"
+                        by_thread[name] = by_thread.get(name, 0.0) + (v - a[key]) / done
     return {"tps": tokens / wall, "block_med": statistics.median(blocks), "block_max": max(blocks),
-            "block_mean": statistics.fmean(blocks), "step_med": statistics.median(steps), "cpu": cpu}
+            "block_mean": statistics.fmean(blocks), "step_med": statistics.median(steps), "cpu": cpu,
+            "threads": by_thread}
 
 
-def bench_preset(tmp: Path, preset: str, rounds: int, persist: int, tcp: bool) -> dict[str, Any]:
+def cpu_kind(reading: dict[int, tuple[str, float]], pid: int) -> str:
+    return reading.get(pid, ("ray", 0.0))[0]
+
+
+def _rows_so_far(run: Any) -> int:
+    try:
+        return len(run.rows())
+    except OSError:  # metrics.jsonl not written yet
+        return 0
+
+
+def bench_preset(tmp: Path, preset: str, rounds: int, persist: int, tcp: bool, threads: bool = False) -> dict[str, Any]:
     arms: dict[str, dict[str, Any]] = {"none": {"in_memory_every": 0}, "snap": {"in_memory_every": 1}}
     if tcp:
         arms["snap-tcp"] = {"in_memory_every": 1, "snapshot_shared_memory": False}
@@ -149,7 +224,7 @@ def bench_preset(tmp: Path, preset: str, rounds: int, persist: int, tcp: bool) -
     for i in range(rounds):
         order = names if i % 2 == 0 else names[::-1]  # none/snap, then snap/none: pairs are adjacent
         for arm in order:
-            r = _job(tmp / f"{preset}-{arm}-{i}", preset, arms[arm])
+            r = _job(tmp / f"{preset}-{arm}-{i}", preset, arms[arm], threads)
             res[arm].append(r)
             print(f"  {preset} round {i} {arm:<13} {r['tps']:>9,.0f} tok/s  step {r['step_med'] * 1e3:6.1f} ms  "
                   f"block med {r['block_med'] * 1e3:6.2f} ms max {r['block_max'] * 1e3:6.2f} ms  "
@@ -160,9 +235,9 @@ def bench_preset(tmp: Path, preset: str, rounds: int, persist: int, tcp: bool) -
     return out
 
 
-def _cpu_median(runs: list[dict[str, Any]]) -> dict[str, float]:
-    kinds = {k for r in runs for k in r["cpu"]}
-    return {k: statistics.median(r["cpu"].get(k, 0.0) for r in runs) for k in kinds}
+def _cpu_median(runs: list[dict[str, Any]], key: str = "cpu") -> dict[str, float]:
+    kinds = {k for r in runs for k in r[key]}
+    return {k: statistics.median(r[key].get(k, 0.0) for r in runs) for k in kinds}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -172,6 +247,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--persist", type=int, default=0, help="also a third arm persisting every N steps")
     ap.add_argument("--tcp", action="store_true", help="also an arm whose own-node copy goes over the socket "
                     "(checkpoint.snapshot_shared_memory: false), to weigh the shared-memory hand-over")
+    ap.add_argument("--threads", action="store_true", help="also the workers' and keepers' CPU per step by thread "
+                    "(training, copier, sender, keeper stream, ...)")
     args = ap.parse_args([] if argv is None else argv)
     from service.local_cluster import LocalCluster
 
@@ -184,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
         cluster.add_node("b", num_cpus=1)
         cluster.connect()
         for preset in args.presets:
-            results[preset] = bench_preset(Path(d), preset, args.rounds, args.persist, args.tcp)
+            results[preset] = bench_preset(Path(d), preset, args.rounds, args.persist, args.tcp, args.threads)
     print(f"\n({time.perf_counter() - t0:.0f}s; load average {os.getloadavg()[0]:.1f} at the end, "
           f"{load0:.1f} at the start: other work on this machine shares its {os.cpu_count()} cores)")
     print(f"{'preset':<8}{'arm':<14}{'tok/s (median)':>16}{'ratio vs none':>15}{'block/step med':>16}"
@@ -204,6 +281,15 @@ def main(argv: list[str] | None = None) -> None:
             extra = "" if arm == "none" else "  (" + ", ".join(
                 f"{k} {(v - med['none'].get(k, 0.0)) * 1e3:+.1f}" for k, v in sorted(cpu.items())) + " ms vs none)"
             print(f"  {preset:<7} {arm:<13} {sum(cpu.values()) * 1e3:7.1f} ms{extra}")
+    if args.threads:
+        print("CPU per steady step of the workers and keepers by thread (both ranks together; median over rounds):")
+        for preset, out in results.items():
+            med = {arm: _cpu_median(runs, "threads") for arm, runs in out["res"].items()}
+            for name in sorted(set().union(*med.values()), key=lambda n: -med["snap"].get(n, 0.0)):
+                none, snap = med["none"].get(name, 0.0), med["snap"].get(name, 0.0)
+                if max(none, snap) >= 5e-4:
+                    print(f"  {preset:<7} {name:<22} none {none * 1e3:7.1f} ms  snap {snap * 1e3:7.1f} ms  "
+                          f"{(snap - none) * 1e3:+6.1f} ms")
     print("snapshot every step through the supervisor, tokens/s over none: "
           + ", ".join(f"{p} {o['snap']:.3f}" for p, o in results.items()) + " (goal >= 0.97)")
 

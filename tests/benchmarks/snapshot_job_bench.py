@@ -157,6 +157,7 @@ def _job(out: Path, preset: str, ckpt: dict[str, Any], threads: bool = False) ->
     readings: list[tuple[float, dict[int, tuple[str, float]]]] = []
     per_thread: list[dict[tuple[int, int], float]] = []  # beside each reading, with --threads
     roles: dict[tuple[int, int], tuple[str, str]] = {}  # (pid, tid) -> (kind, role), named once training runs
+    tries = 0
     try:
         while True:
             try:
@@ -168,8 +169,12 @@ def _job(out: Path, preset: str, ckpt: dict[str, Any], threads: bool = False) ->
                 if threads:
                     data = [p for p, (k, _) in cpu.items() if k in ("workers", "keepers")]
                     per_thread.append(thread_cpu_s(data))
-                    if not roles and _rows_so_far(run) >= WARM[preset]:
-                        roles = {(p, t): (cpu[p][0], r) for p in data for t, r in thread_roles(p).items()}
+                    if tries < 5 and _rows_so_far(run) >= WARM[preset] and not _each_trains(roles, cpu):
+                        tries += 1  # a dump may catch a stack half-read (--nonblocking): again, up to 5 times
+                        for p in data:
+                            for t, r in thread_roles(p).items():
+                                if roles.get((p, t), ("", ""))[1] != "training":
+                                    roles[(p, t)] = (cpu[p][0], r)
     finally:
         run.finish()
     if st["state"] != "SUCCEEDED":
@@ -200,6 +205,12 @@ def _job(out: Path, preset: str, ckpt: dict[str, Any], threads: bool = False) ->
     return {"tps": tokens / wall, "block_med": statistics.median(blocks), "block_max": max(blocks),
             "block_mean": statistics.fmean(blocks), "step_med": statistics.median(steps), "cpu": cpu,
             "threads": by_thread}
+
+
+def _each_trains(roles: dict[tuple[int, int], tuple[str, str]], cpu: dict[int, tuple[str, float]]) -> bool:
+    """Whether a training thread was found in every worker."""
+    workers = {p for p, (k, _) in cpu.items() if k == "workers"}
+    return bool(workers) and workers <= {p for (p, _), (_, r) in roles.items() if r == "training"}
 
 
 def cpu_kind(reading: dict[int, tuple[str, float]], pid: int) -> str:

@@ -79,6 +79,9 @@ class Worker:
     def __init__(self, name: str, engine_json: str, ckpt_json: str, options: dict[str, Any], supervisor: Any) -> None:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         from workers.log_capture import SentLines, capture_process_output, echo_logs_to_stdout
+        from workers.sigterm import exit_on_sigterm
+
+        exit_on_sigterm()  # Ray's handler would never run in this threaded actor: see workers.sigterm
 
         self._output = capture_process_output()  # this process is the job's: its output goes to the job's logs
         self._sent_lines = SentLines()  # what a restarted supervisor asks back (lines_after)

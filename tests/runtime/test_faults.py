@@ -90,6 +90,40 @@ def test_fault_recovers_with_the_same_losses(kind: str, reference: list[dict[str
     assert_no_leaks(run.job_id)
 
 
+def test_sigterm_ends_a_worker_and_the_group_reforms(reference: list[dict[str, Any]], tmp_path: Path) -> None:
+    """SIGTERM to a training rank's process (as `kill`, or a node's shutdown, sends it): the process ends
+    (a threaded Ray actor would otherwise never run Ray's handler and train on), Ray reports it dead, and
+    the job re-forms at dp 3 on the same losses."""
+    import os
+    import signal
+
+    import ray
+
+    from checkpointing.naming import NAMESPACE
+
+    run = JobRun(tiny_spec(tmp_path, chaos=paced(4, 0.3)))
+    try:
+        pid = 0
+        deadline = time.monotonic() + 120
+        while not pid:
+            assert time.monotonic() < deadline, "rank 1 never reached step 2"
+            for a in ray.util.list_named_actors(all_namespaces=True):
+                if a["name"].startswith(f"job-{run.job_id}/worker-"):
+                    info = ray.get(ray.get_actor(a["name"], namespace=NAMESPACE).info.remote(), timeout=30)
+                    if info["rank"] == 1 and info["phase"] == "training" and info["step"] >= 2:
+                        pid = int(info["pid"])
+            time.sleep(0.1)
+        os.kill(pid, signal.SIGTERM)
+        run.wait()
+        assert not os.path.exists(f"/proc/{pid}"), "the worker outlived its SIGTERM"
+        _check_recovered(run, reference, resizes=[(4, 3)])
+        found = run.of("failure_detected")
+        assert found[0]["data"]["kind"] == "worker_died" and found[0]["data"]["ranks"] == [1], found
+    finally:
+        run.finish()
+    assert_no_leaks(run.job_id)
+
+
 def test_two_faults_in_a_row_one_during_recovery(reference: list[dict[str, Any]], tmp_path: Path) -> None:
     """Rank 1 dies at step 3; rank 0 of the next generation dies right after the restore, before
     its first step (a fault during recovery): 4 -> 3 -> 2, the same losses."""

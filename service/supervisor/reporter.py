@@ -268,15 +268,15 @@ class Reporter:
         self.last_row = rows[-1]
         if self.writer is not None:
             self.writer.put("metrics", run.store.add_metrics, run.job_id, rows, row_step=int(rows[-1]["step"]))
-        if self.recovery is not None:
-            # A step the failed generation completed whose row came after the failure was reached too: it
-            # counts among the steps lost (the failure was taken with the rows at hand).
-            older = [int(r["step"]) for r in rows if r.get("generation", self.recovery.generation) < self.recovery.generation]
-            self.recovery.last_step = max([self.recovery.last_step, *older])
-        if self.recovery is not None and self._recovered_row is None:
-            # The generation's first row, not the batch's last: rows arrive a few steps at a time, and a
-            # recovery ends at its first completed step.
-            self._recovered_row = next((r for r in rows if r.get("generation") == run.generation), None)
+        rec = self.recovery
+        if rec is not None:
+            for r in rows:
+                gen = r.get("generation")
+                if gen is not None and gen < rec.generation:
+                    # The failed generation reached this step, though its row came after the failure was taken.
+                    rec.last_step = max(rec.last_step, int(r["step"]))
+                elif gen == rec.generation and self._recovered_row is None:
+                    self._recovered_row = r  # the generation's first row: rows come a few steps at a time
         self._finish_recovery_when_formed()
 
     def _finish_recovery_when_formed(self, *, at_end: bool = False) -> None:

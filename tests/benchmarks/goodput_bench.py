@@ -206,10 +206,7 @@ def _ours_spec(out: Path, spares: int = 0) -> Any:
 
 
 def run_ours(tmp: Path, cluster: Any, faults: list[Fault], spares: int = 0) -> Outcome:
-    import ray
-
-    from checkpointing.naming import NAMESPACE
-    from tests.runtime.jobs import JobRun
+    from tests.runtime.jobs import JobRun, worker_infos
 
     run = JobRun(_ours_spec(tmp, spares))
     metrics = tmp / "metrics.jsonl"
@@ -223,16 +220,7 @@ def run_ours(tmp: Path, cluster: Any, faults: list[Fault], spares: int = 0) -> O
         """The ranks of the newest generation that trains. A rank of an older one can still say
         "training" (stuck in a collective the failure broke) and a spare trains in none: neither is a
         target, as a fault there would cost the job nothing."""
-        found: list[dict[str, Any]] = []
-        prefix = f"job-{run.job_id}/worker-"
-        for a in ray.util.list_named_actors(all_namespaces=True):
-            if a["name"].startswith(prefix):
-                try:
-                    info = ray.get(ray.get_actor(a["name"], namespace=NAMESPACE).info.remote(), timeout=2)
-                except Exception:  # noqa: BLE001 - dead or hung: not a target
-                    continue
-                if info["phase"] == "training" and info["rank"] >= 0:
-                    found.append(info)
+        found = [i for i in worker_infos(run.job_id) if i["phase"] == "training" and i["rank"] >= 0]
         newest = max((int(i["generation"]) for i in found), default=-1)
         return {int(i["rank"]): int(i["pid"]) for i in found if int(i["generation"]) == newest}
 

@@ -186,12 +186,11 @@ def _job(out: Path, preset: str, ckpt: dict[str, Any], threads: bool = False) ->
     blocks = [r["ckpt_block_s"] for r in rows]
     steps = [r["step_time_s"] for r in rows]
     ends = [r["end_time"] for r in all_rows]
-    window = [(t, c) for t, c in readings if rows[0]["end_time"] <= t <= rows[-2]["end_time"]]
+    inside = [i for i, (t, _) in enumerate(readings) if rows[0]["end_time"] <= t <= rows[-2]["end_time"]]
     cpu: dict[str, float] = {}
     by_thread: dict[str, float] = {}
-    inside = [i for i, (t, _) in enumerate(readings) if rows[0]["end_time"] <= t <= rows[-2]["end_time"]]
-    if len(window) >= 2:  # the first and last reading inside the steady steps, per step done between them
-        (t0, c0), (t1, c1) = window[0], window[-1]
+    if len(inside) >= 2:  # the first and last reading inside the steady steps, per step done between them
+        (t0, c0), (t1, c1) = readings[inside[0]], readings[inside[-1]]
         done = step_position(ends, t1) - step_position(ends, t0)
         if done > 0:
             cpu = {k: v / done for k, v in cpu_between(c0, c1).items()}
@@ -199,7 +198,7 @@ def _job(out: Path, preset: str, ckpt: dict[str, Any], threads: bool = False) ->
                 a, b = per_thread[inside[0]], per_thread[inside[-1]]
                 for key, v in b.items():
                     if key in a:
-                        kind, role = roles.get(key, (cpu_kind(c1, key[0]), "other"))
+                        kind, role = roles.get(key, (c1.get(key[0], ("ray", 0.0))[0], "other"))
                         name = f"{kind} {role}"
                         by_thread[name] = by_thread.get(name, 0.0) + (v - a[key]) / done
     return {"tps": tokens / wall, "block_med": statistics.median(blocks), "block_max": max(blocks),
@@ -211,10 +210,6 @@ def _each_trains(roles: dict[tuple[int, int], tuple[str, str]], cpu: dict[int, t
     """Whether a training thread was found in every worker."""
     workers = {p for p, (k, _) in cpu.items() if k == "workers"}
     return bool(workers) and workers <= {p for (p, _), (_, r) in roles.items() if r == "training"}
-
-
-def cpu_kind(reading: dict[int, tuple[str, float]], pid: int) -> str:
-    return reading.get(pid, ("ray", 0.0))[0]
 
 
 def _rows_so_far(run: Any) -> int:

@@ -39,6 +39,22 @@ def paced(ranks: int, seconds: float) -> list[dict[str, Any]]:
     return [{"kind": "slow_worker", "step": 0, "rank": r, "seconds": seconds} for r in range(ranks)]
 
 
+def worker_infos(job_id: str) -> list[dict[str, Any]]:
+    """`Worker.info()` of each of a job's workers that answers (a dead or hung one is left out)."""
+    import ray
+
+    from checkpointing.naming import NAMESPACE
+
+    found = []
+    for a in ray.util.list_named_actors(all_namespaces=True):
+        if a["name"].startswith(f"job-{job_id}/worker-"):
+            try:
+                found.append(ray.get(ray.get_actor(a["name"], namespace=NAMESPACE).info.remote(), timeout=2))
+            except Exception:  # noqa: BLE001 - dead or hung
+                continue
+    return found
+
+
 def engine_of(spec: Any) -> Any:
     """The engine part of a job spec (what the local launcher runs)."""
     from parallel.config import EngineConfig

@@ -13,7 +13,15 @@ from typing import Any
 
 import pytest
 
-from tests.runtime.jobs import JobRun, assert_no_leaks, assert_same_losses, engine_of, paced, tiny_spec
+from tests.runtime.jobs import (
+    JobRun,
+    assert_no_leaks,
+    assert_same_losses,
+    engine_of,
+    paced,
+    tiny_spec,
+    worker_infos,
+)
 
 
 @pytest.fixture(scope="module")
@@ -97,21 +105,14 @@ def test_sigterm_ends_a_worker_and_the_group_reforms(reference: list[dict[str, A
     import os
     import signal
 
-    import ray
-
-    from checkpointing.naming import NAMESPACE
-
     run = JobRun(tiny_spec(tmp_path, chaos=paced(4, 0.3)))
     try:
         pid = 0
         deadline = time.monotonic() + 120
         while not pid:
             assert time.monotonic() < deadline, "rank 1 never reached step 2"
-            for a in ray.util.list_named_actors(all_namespaces=True):
-                if a["name"].startswith(f"job-{run.job_id}/worker-"):
-                    info = ray.get(ray.get_actor(a["name"], namespace=NAMESPACE).info.remote(), timeout=30)
-                    if info["rank"] == 1 and info["phase"] == "training" and info["step"] >= 2:
-                        pid = int(info["pid"])
+            pid = next((int(i["pid"]) for i in worker_infos(run.job_id)
+                        if i["rank"] == 1 and i["phase"] == "training" and i["step"] >= 2), 0)
             time.sleep(0.1)
         os.kill(pid, signal.SIGTERM)
         run.wait()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -128,9 +129,12 @@ def set_scheduler_step(scheduler: torch.optim.lr_scheduler.LambdaLR, step: int) 
 def grad_norm(parameters: Iterable[nn.Parameter], pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """The 2-norm of all gradients of the model, over every shard on every mesh dimension.
 
-    DTensor gradients (FSDP, TP, or both) are grouped by mesh and placements; the norm of each
-    group is a DTensor reduced across its mesh (a Replicate dim is not double counted). With
-    pipeline parallelism each stage holds other parameters, so the squares are summed over pp.
+    DTensor gradients (FSDP, TP, or both) are grouped by mesh and placements. Each group's squares are
+    summed on the local shards and all-reduced over the mesh dims the group is sharded on (a Replicate
+    dim holds copies: not summed again). Plain torch, as `AdamW` steps: DTensor's own foreach norm plans
+    its sharding, and after a re-form (its caches reset) that planning took ~0.1 s of the group's first
+    step on CPU, on the recovery's path. With pipeline parallelism each stage holds other parameters,
+    so the squares are summed over pp.
     """
     groups: dict[object, list[torch.Tensor]] = defaultdict(list)
     for p in parameters:
@@ -141,10 +145,7 @@ def grad_norm(parameters: Iterable[nn.Parameter], pp_group: dist.ProcessGroup | 
         groups[key].append(g)
     sq = None
     for key, grads in groups.items():
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-        if key is not None and isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        part = norm.float() ** 2
+        part = _sum_of_squares(grads, key)
         sq = part if sq is None else sq + part.to(sq.device)
     if sq is None:
         sq = torch.zeros(())
@@ -153,19 +154,38 @@ def grad_norm(parameters: Iterable[nn.Parameter], pp_group: dist.ProcessGroup | 
     return sq.sqrt()
 
 
+def _sum_of_squares(grads: list[torch.Tensor], key: tuple[Any, Any] | None) -> torch.Tensor:
+    """The squared norm of one group of gradients (plain, or DTensors of one mesh and placements)."""
+    if key is None:
+        return torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True).float() ** 2
+    mesh, placements = key
+    if any(isinstance(pl, Partial) for pl in placements):  # pending sums: DTensor reduces them first
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+        return (norm.full_tensor() if isinstance(norm, DTensor) else norm).float() ** 2
+    local = [g._local_tensor for g in grads]
+    part = torch.nn.utils.get_total_norm(local, norm_type=2.0, foreach=True).float() ** 2
+    for dim, pl in enumerate(placements):
+        if not pl.is_replicate():  # Shard, or FSDP x TP's _StridedShard (is_shard() says False): disjoint pieces
+            dist.all_reduce(part, group=mesh.get_group(dim))
+    return part
+
+
 @torch.no_grad()
 def clip_grad_norm_(
     parameters: Iterable[nn.Parameter], max_norm: float | None, pp_group: dist.ProcessGroup | None = None
 ) -> float:
-    """Clip gradients to max_norm (None: only measure); returns the total norm before clipping."""
+    """Clip gradients to max_norm (None: only measure); returns the total norm before clipping.
+
+    The scaling is torch's (clip_grads_with_norm_'s coefficient), applied to the local tensors: scaling
+    every shard scales the whole gradient, Partial ones too, with no DTensor op to plan (see grad_norm)."""
     params = [p for p in parameters if p.grad is not None]
     total = grad_norm(params, pp_group)
     if max_norm is not None and params:
-        # One foreach call per mesh: DTensor ops refuse to mix meshes (e.g. TP without sequence
-        # parallelism leaves norms on the FSDP mesh alone, the rest on FSDP x TP).
-        by_mesh: dict[object, list[nn.Parameter]] = defaultdict(list)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
         for p in params:
-            by_mesh[p.grad.device_mesh if isinstance(p.grad, DTensor) else None].append(p)
-        for same in by_mesh.values():
-            torch.nn.utils.clip_grads_with_norm_(same, max_norm, total, foreach=True)
+            g = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+            by_kind[(g.device, g.dtype)].append(g)
+        for (device, _), grads in by_kind.items():
+            torch._foreach_mul_(grads, coef.to(device))
     return float(total)

@@ -218,14 +218,14 @@ class RayStartCluster:
         """Whether the node's raylet still runs."""
         return any("raylet" in cmdline(p).split(" ", 1)[0] for p in session_pids(self.node_sids[name]))
 
+    def pids_running(self, name: str, title: str) -> list[int]:
+        """The processes of worker node `name` titled `ray::<title>` (idle) or `ray::<title>.<method>`."""
+        return sorted(p for p in session_pids(self.node_sids[name])
+                      if (h := cmdline(p).split(" ", 1)[0]) == f"ray::{title}" or h.startswith(f"ray::{title}."))
+
     def nodes_running(self, title: str) -> list[str]:
         """The worker nodes that hold a process titled `ray::<title>` (idle) or `ray::<title>.<method>`."""
-        out = []
-        for name, sid in self.node_sids.items():
-            heads = [cmdline(p).split(" ", 1)[0] for p in session_pids(sid)]
-            if any(h == f"ray::{title}" or h.startswith(f"ray::{title}.") for h in heads):
-                out.append(name)
-        return out
+        return [name for name in self.node_sids if self.pids_running(name, title)]
 
     def kill_node(self, name: str) -> None:
         """SIGKILL every process of a worker node that is left (a node lost for good)."""

@@ -1,8 +1,9 @@
 """The user's path end to end: a Ray cluster started with `ray start` (as a user starts one, and as the
 KubeRay manifests start one), a real `unbroken serve --address` process, the SDK, REST and the CLI.
 
-A 4-worker job on two nodes loses a worker: it recovers from the keepers' memory (the `recovered`
-event's source), replays at most the one step whose snapshot was in flight, and its losses equal one
+A 4-worker job on two nodes loses a worker (on the `ray start` cluster a SIGTERM from outside, as Kubernetes
+or a user stops a process; on the manifests' cluster chaos kill_worker): it recovers from the keepers' memory
+(the `recovered` event's source), replays at most the one step whose snapshot was in flight, and its losses equal one
 process's on the same data (batch invariance). The keepers took their own node's copies through shared
 memory (their frame counts in GET /v1/cluster). A second job of the same name gets a folder of its own
 and starts at step 1, and `unbroken logs -f` shows its workers' output while it runs; started beside a
@@ -18,6 +19,8 @@ it (`source` keepers + peer).
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import threading
 import time
@@ -35,6 +38,8 @@ DATA = "/usr/lib/python3.11/json"  # a few UTF-8 files every machine with Python
 STEPS = 12
 KILL_STEP = 5
 LONG = 100_000  # a job the test cancels once it has seen what it waits for
+# The SIGTERMed job's pause before each step: the kill lands while steps are left (rows reach the API late)
+SIGTERM_PACE_S = 0.5
 PACE_S = 0.2  # such a job's pause before each step on every rank (chaos slow_worker): it only has to keep running
 
 
@@ -76,14 +81,23 @@ def _run_user_path(tmp: Path, cluster: RayStartCluster, *, second_job: bool, spa
     try:
         serve.wait_ready()
         client = serve.client()
-        kill = [{"kind": "kill_worker", "step": KILL_STEP, "rank": 1}]
-        job = client.submit(job_spec("killed", kill, spare=spare))
+        if spare:
+            job = client.submit(job_spec("killed", [{"kind": "kill_worker", "step": KILL_STEP, "rank": 1}],
+                                         spare=True))
+        else:  # a worker told to stop as Kubernetes or a user stops one: a SIGTERM from outside
+            job = client.submit(job_spec("killed", paced(4, SIGTERM_PACE_S)))
+            _sigterm_a_worker(cluster, client, job.id)
         done = client.wait(job.id, timeout=420)
         assert done.status == "SUCCEEDED", done
         events = list(client.events(job.id, follow=False))
         kinds = [e.kind for e in events]
-        failure = next(e for e in events if e.kind == "failure_detected")
-        assert "chaos (kill_worker" in failure.message, failure.message
+        failures = [e for e in events if e.kind == "failure_detected"]
+        assert failures, f"no failure was detected (a SIGTERMed worker that trained on?): {kinds}"
+        failure = failures[0]
+        if spare:
+            assert "chaos (kill_worker" in failure.message, failure.message
+        else:
+            assert (failure.data or {}).get("kind") == "worker_died", (failure.message, failure.data)
         recovered = [e for e in events if e.kind == "recovered"]
         assert len(recovered) == 1, kinds
         data = recovered[0].data or {}
@@ -169,6 +183,18 @@ def _run_user_path(tmp: Path, cluster: RayStartCluster, *, second_job: bool, spa
         assert any("[rank" in ln for t, ln in seen if t < t_end), seen[-20:]
     finally:
         serve.stop()
+
+
+def _sigterm_a_worker(cluster: RayStartCluster, client: Any, job_id: str) -> None:
+    """Once the job has trained KILL_STEP steps, SIGTERM one of its workers on node b (from outside, as a
+    kubelet or `kill` does) and wait until that process is gone: the worker ends on it (workers.sigterm)
+    and the job recovers from the keepers. Before workers.sigterm, Ray's handler never ran in the
+    threaded worker, which trained on to the job's end, and no recovery happened."""
+    until(lambda: any(r["step"] >= KILL_STEP for r in client.metrics(job_id)), 300, f"step {KILL_STEP}")
+    pids = cluster.pids_running("b", "Worker")
+    assert pids, "no worker process on node b"
+    os.kill(pids[0], signal.SIGTERM)
+    until(lambda: pids[0] not in cluster.pids_running("b", "Worker"), 30, "the worker ending on its SIGTERM")
 
 
 def _lose_a_pod(tmp: Path, cluster: RayStartCluster, client: Any) -> None:

@@ -56,6 +56,12 @@ class AdamW(torch.optim.AdamW):
         return loss
 
 
+def _pending(placements: Iterable[Any]) -> bool:
+    """Whether a DTensor's placements hold pending sums (Partial): its local tensors are not its pieces, so
+    it cannot be stepped or measured on them."""
+    return any(isinstance(pl, Partial) for pl in placements)
+
+
 def _local_views(lists: tuple[list[torch.Tensor], ...]) -> tuple[list[torch.Tensor], ...] | None:
     """The lists (parameters first, then gradients and states, an empty one for a state not kept) with each
     DTensor replaced by its local tensor; None where one of a parameter's tensors is on another mesh or
@@ -63,7 +69,7 @@ def _local_views(lists: tuple[list[torch.Tensor], ...]) -> tuple[list[torch.Tens
     out: tuple[list[torch.Tensor], ...] = tuple([] for _ in lists)
     for i, p in enumerate(lists[0]):
         dt = isinstance(p, DTensor)
-        if dt and any(isinstance(pl, Partial) for pl in p.placements):
+        if dt and _pending(p.placements):
             return None
         for k, ts in enumerate(lists):
             if not ts:
@@ -159,7 +165,7 @@ def _sum_of_squares(grads: list[torch.Tensor], key: tuple[Any, Any] | None) -> t
     if key is None:
         return torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True).float() ** 2
     mesh, placements = key
-    if any(isinstance(pl, Partial) for pl in placements):  # pending sums: DTensor reduces them first
+    if _pending(placements):  # DTensor reduces the pending sums first
         norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
         return (norm.full_tensor() if isinstance(norm, DTensor) else norm).float() ** 2
     local = [g._local_tensor for g in grads]

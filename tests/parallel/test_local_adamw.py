@@ -8,48 +8,28 @@ from typing import Any
 import torch
 
 from tests.parallel._spawn import run_ranks
-
-
-def _fsdp_model(seed: int) -> Any:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(seed)
-    # 5 rows over 2 ranks: uneven shards; a 1-D bias (the no-decay group).
-    model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
-    fully_shard(model, mesh=init_device_mesh("cpu", (torch.distributed.get_world_size(),)))
-    return model
+from tests.parallel.dtensor_plans import fsdp_model, planned_ops
 
 
 def _train(opt_cls: type, rank: int, steps: int) -> tuple[list[torch.Tensor], int]:
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
     from parallel import dist as pdist
 
     pdist.reset_dtensor_caches()  # each optimizer starts as a freshly formed mesh does
-    model = _fsdp_model(0)
+    model = fsdp_model(0)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     opt = opt_cls([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                   lr=1e-2, foreach=True)
     planned: list[str] = []
-    plan = ShardingPropagator.propagate_op_sharding_non_cached
-
-    def counting(self: Any, op_schema: Any) -> Any:
-        planned.append(str(op_schema.op))
-        return plan(self, op_schema)
-
     g = torch.Generator().manual_seed(1 + rank)
     for _ in range(steps):
         x = torch.randn(4, 7, generator=g)
         model(x).square().sum().backward()
-        ShardingPropagator.propagate_op_sharding_non_cached = counting
-        pdist.reset_dtensor_caches()  # the counting wrapper is what the new cache calls
-        try:
+        with planned_ops() as ops:
             opt.step()
-        finally:
-            ShardingPropagator.propagate_op_sharding_non_cached = plan
+        planned += ops
         opt.zero_grad()
     out = [p.to_local().clone() if isinstance(p, DTensor) else p.clone() for p in model.parameters()]
     for state in opt.state.values():

@@ -9,38 +9,23 @@ from typing import Any
 import torch
 
 from tests.parallel._spawn import run_ranks
-from tests.parallel.test_local_adamw import _fsdp_model
+from tests.parallel.dtensor_plans import fsdp_model, planned_ops
 
 
 def _grads(rank: int) -> Any:
-    model = _fsdp_model(0)
+    model = fsdp_model(0)
     x = torch.randn(4, 7, generator=torch.Generator().manual_seed(1 + rank))
     (model(x).square().sum() * 10).backward()  # a norm well above max_norm: the clip scales
     return model
 
 
 def _compare(rank: int, world: int) -> dict[str, Any]:
-    from torch.distributed.tensor._sharding_prop import ShardingPropagator
-
-    from parallel import dist as pdist
     from parallel.optim import clip_grad_norm_
 
     def clipped(fn: Any) -> tuple[float, list[torch.Tensor], int]:
-        pdist.reset_dtensor_caches()  # as a freshly formed mesh starts
         model = _grads(rank)
-        planned: list[str] = []
-        plan = ShardingPropagator.propagate_op_sharding_non_cached
-
-        def counting(self: Any, op_schema: Any) -> Any:
-            planned.append(str(op_schema.op))
-            return plan(self, op_schema)
-
-        ShardingPropagator.propagate_op_sharding_non_cached = counting
-        pdist.reset_dtensor_caches()  # the counting wrapper is what the new cache calls
-        try:
+        with planned_ops() as planned:
             norm = float(fn(list(model.parameters()), 1.0))
-        finally:
-            ShardingPropagator.propagate_op_sharding_non_cached = plan
         return norm, [p.grad.to_local().clone() for p in model.parameters()], len(planned)
 
     ours, ours_grads, ours_planned = clipped(clip_grad_norm_)

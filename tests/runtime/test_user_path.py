@@ -1,10 +1,10 @@
 """The user's path end to end: a Ray cluster started with `ray start` (as a user starts one, and as the
 KubeRay manifests start one), a real `unbroken serve --address` process, the SDK, REST and the CLI.
 
-A 4-worker job on two nodes loses a worker (on the `ray start` cluster a SIGTERM from outside, as Kubernetes
-or a user stops a process; on the manifests' cluster chaos kill_worker): it recovers from the keepers' memory
-(the `recovered` event's source), replays at most the one step whose snapshot was in flight, and its losses equal one
-process's on the same data (batch invariance). The keepers took their own node's copies through shared
+A 4-worker job on two nodes loses a worker (on the `ray start` cluster a SIGTERM from outside, as
+Kubernetes or a user stops a process; on the manifests' cluster chaos kill_worker): it recovers from the
+keepers' memory (the `recovered` event's source), replays at most the one step whose snapshot was in
+flight, and its losses equal one process's on the same data (batch invariance). The keepers took their own node's copies through shared
 memory (their frame counts in GET /v1/cluster). A second job of the same name gets a folder of its own
 and starts at step 1, and `unbroken logs -f` shows its workers' output while it runs; started beside a
 2-worker job that holds half the cluster, it runs at dp 2 and grows to dp 4 once that job is cancelled

@@ -3,8 +3,9 @@
 The API cannot check these (it may run elsewhere, without the data or the credentials): the data
 section passes parallel.data.check.check_data (paths, tokenizer, vocabulary, formats) and yields its
 first batch, `model.init_from` exists, and the checkpoint root (and
-`checkpoint.resume_from`) can be listed with the job's credentials. A problem found here is
-deterministic, so the job fails at once with it instead of going through recoveries.
+`checkpoint.resume_from`) can be listed with the job's credentials, and the checkpoint root can be
+written (a probe object, put and deleted). A problem found here is deterministic, so the job fails at
+once with it instead of going through recoveries.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def probe_job(cfg: Any, ckpt_cfg: Any, default_root: str) -> list[str]:
     if cfg.model.init_from and not Path(cfg.model.init_from).expanduser().exists():
         problems.append(f"model.init_from={cfg.model.init_from!r} does not exist on the worker node; "
                         "point it at a folder written by export-hf or a Hugging Face checkpoint")
-    problems += _probe_storage("checkpoint.uri", ckpt_cfg.uri or default_root, ckpt_cfg)
+    problems += _probe_storage("checkpoint.uri", ckpt_cfg.uri or default_root, ckpt_cfg, writes=True)
     if ckpt_cfg.resume_from:
         problems += _probe_storage("checkpoint.resume_from", ckpt_cfg.resume_from, ckpt_cfg, must_hold=True)
     return problems
@@ -47,20 +48,41 @@ def _probe_data(cfg: Any) -> list[str]:
     return []
 
 
-def _probe_storage(field: str, uri: str, ckpt_cfg: Any, *, must_hold: bool = False) -> list[str]:
+PROBE_KEY = ".unbroken-probe"  # put and deleted under the checkpoint root by the start-up check
+
+
+def _probe_storage(field: str, uri: str, ckpt_cfg: Any, *, must_hold: bool = False,
+                   writes: bool = False) -> list[str]:  # fmt: skip
+    """`uri` can be listed (and, with `writes`, written): read-only credentials or a path that cannot
+    be created would otherwise fail every persistent save of a running job, each logged, none fatal.
+    The write also makes the store ready for the ranks' first checkpoint: a bucket's first writes, made
+    by every rank at once, took SeaweedFS 1.1 s (volumes are allocated on the first write) against 0.08 s
+    once one object had been written."""
+    import os
+    import socket
+
     from checkpointing.uri import open_store
 
+    doing = "read"
     try:
         store = open_store(uri, ckpt_cfg.s3)
         try:
             held = store.list("")
+            if writes:
+                doing = "written"
+                key = f"{PROBE_KEY}-{socket.gethostname()}-{os.getpid()}"  # at the root: no folder is left
+                store.put_bytes(key, b"unbroken start-up check\n")
+                store.delete(key)
         finally:
             store.close()
     except Exception as e:  # noqa: BLE001 - credentials, endpoint, permissions: all said the same way
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         fix = ("check checkpoint.s3 (endpoint_url, access keys) or the worker's AWS_* environment"
                if uri.startswith("s3://") else "check the path and its permissions on the worker node")
-        return [f"{field}={uri}: cannot be read ({type(e).__name__}: {first}); {fix}"]
+        if doing == "written":
+            fix = ("give the job's credentials write access there" if uri.startswith("s3://")
+                   else "point it at a folder the worker can create and write")
+        return [f"{field}={uri}: cannot be {doing} ({type(e).__name__}: {first}); {fix}"]
     if must_hold and not held:
         return [f"{field}={uri} holds no checkpoint; name a checkpoint root or a step-NNNNNNNN folder"]
     return []

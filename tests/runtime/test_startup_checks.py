@@ -19,6 +19,8 @@ from tests.runtime.jobs import JobRun, assert_no_leaks, tiny_spec
 def _bad_jobs(tmp: Path) -> list[tuple[str, dict[str, Any], str]]:
     latin1 = tmp / "latin1.txt"
     latin1.write_bytes("caf\xe9 au lait\n".encode("latin-1") * 50)  # not UTF-8
+    blocker = tmp / "a-file"
+    blocker.write_text("a file where the checkpoint root's folder would be\n")
     endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens: no request may leave this machine
     return [
         ("missing data path", {"data": {"kind": "text", "path": str(tmp / "nowhere")}}, "data.path="),
@@ -26,10 +28,12 @@ def _bad_jobs(tmp: Path) -> list[tuple[str, dict[str, Any], str]]:
         ("s3 without credentials", {"checkpoint": {"uri": "s3://bucket/runs", "persist_every": 5,
                                                    "s3": {"endpoint_url": endpoint, "max_attempts": 1}}},
          "Unable to locate credentials"),
+        ("a checkpoint root that cannot be written", {"checkpoint": {"uri": (blocker / "ckpts").as_uri()}},
+         "checkpoint.uri=file://" + str(blocker / "ckpts") + ": cannot be written (NotADirectoryError"),
     ]
 
 
-@pytest.mark.parametrize("case", range(3), ids=["missing-data", "not-utf8", "s3-no-credentials"])
+@pytest.mark.parametrize("case", range(4), ids=["missing-data", "not-utf8", "s3-no-credentials", "ckpt-not-writable"])
 def test_startup_error_fails_at_once_with_its_reason(head_cluster: Any, tmp_path: Path, case: int,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import tempfile
@@ -75,7 +76,10 @@ class LocalCluster:
         self.dashboard_port = free_port()
         self.metrics_export_port = metrics_export_port
         self.object_store_mb = object_store_mb
-        # A short private temp dir: Ray's socket paths must stay under 108 characters.
+        # A short private temp dir: Ray's socket paths must stay under 108 characters. One made here (Ray's
+        # logs and sockets, a few MB a run) is removed at shutdown unless its logs are kept (shutdown's
+        # keep_logs, or UNBROKEN_KEEP_RAY_LOGS=1 to read the workers' logs after a test or a benchmark).
+        self._own_temp = temp_dir is None
         self.temp_dir = temp_dir or tempfile.mkdtemp(prefix="ubray-", dir="/tmp")
         self._cluster: Cluster | None = None
         self.nodes: dict[str, Any] = {}
@@ -171,13 +175,17 @@ class LocalCluster:
         """Connect this process as a driver (ray.init with the cluster's explicit address)."""
         ray.init(address=self.address, namespace=namespace, log_to_driver=False, _node_ip_address="127.0.0.1")
 
-    def shutdown(self) -> None:
+    def shutdown(self, keep_logs: bool = False) -> None:
+        """Stop every node; remove the temp dir this cluster made unless `keep_logs` (or the environment's
+        UNBROKEN_KEEP_RAY_LOGS) keeps Ray's logs there."""
         if ray.is_initialized():
             ray.shutdown()
         if self._cluster is not None:
             self._cluster.shutdown()
             self._cluster = None
         self.nodes.clear()
+        if self._own_temp and not keep_logs and not os.environ.get("UNBROKEN_KEEP_RAY_LOGS"):
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
 
     def __enter__(self) -> LocalCluster:
         self.start()

@@ -106,6 +106,8 @@ def run_job(
         ray.init(address=address, namespace="unbroken", log_to_driver=False)
     else:
         cluster = LocalCluster(head_cpus=num_cpus if num_cpus is not None else float(os.cpu_count() or 2))
+        typer.echo(f"an embedded Ray cluster; its logs in {cluster.temp_dir} (removed if the job succeeds)",
+                   err=True)
         cluster.start()
         for name, cpus in nodes.items():
             cluster.add_node(name, num_cpus=cpus)
@@ -145,8 +147,12 @@ def run_job(
         typer.echo(f"job {jid}: {state}; metrics in {out_dir / 'metrics.jsonl'}", err=True)
     finally:
         sys.stdout = stdout
-        if cluster is not None:
-            cluster.shutdown()
+        if cluster is not None:  # Ray's logs of a job that did not succeed are kept, and said where
+            kept = state != SUCCEEDED
+            cluster.shutdown(keep_logs=kept)
+            if kept:
+                typer.echo(f"Ray's logs (the workers' own output among them): {cluster.temp_dir}/session_latest/logs",
+                           err=True)
         elif ray.is_initialized():
             ray.shutdown()
     return 0 if state == SUCCEEDED else 1

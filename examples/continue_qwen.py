@@ -167,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
 
     with contextlib.ExitStack() as stack:
         cluster = RayStartCluster(head={"num-cpus": "2"})
-        stack.callback(cluster.stop)
+        failed = False  # Ray's logs are kept when the job did not succeed
+        stack.callback(lambda: cluster.stop(keep_logs=failed))
         serve = Serve(run / "home", address=cluster.address, env=cluster.env)
         stack.callback(serve.stop)
         serve.wait_ready()
@@ -182,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         if done.status != "SUCCEEDED":
             for ev in client.events(submitted.id, follow=False):
                 say(f"   event {ev.kind}: {ev.message}")
+            failed = True
+            say(f"   Ray's logs are kept in {cluster.temp}/session_latest/logs")
             return 1
 
     say("6. unbroken export-hf with the tokenizer; transformers generates from it")

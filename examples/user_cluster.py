@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -108,6 +109,8 @@ class RayStartCluster:
     def __init__(self, *, head: dict[str, str] | None = None, temp: str | None = None,
                  gcs_redis: str | None = None) -> None:
         self.temp = temp or tempfile.mkdtemp(prefix="ubrs-", dir="/tmp")  # short: Ray's socket paths
+        # One made here goes at stop() unless its logs are kept (as service.local_cluster's)
+        self._own_temp = temp is None
         self.port = free_port()
         self.sids: list[int] = []
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -245,11 +248,15 @@ class RayStartCluster:
         if not (last.isdigit() and int(last) >= n):
             raise AssertionError(f"{n} Ray nodes not alive after {timeout:g}s (saw {last!r}): {r.stderr[-1500:]}")
 
-    def stop(self) -> None:
+    def stop(self, keep_logs: bool = False) -> None:
+        """Stop every node; remove the temp dir this cluster made unless `keep_logs` (or the environment's
+        UNBROKEN_KEEP_RAY_LOGS) keeps Ray's logs there."""
         stop_sessions(self.sids, self.temp)
         for p in self.procs:  # reap our own children
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=5)
+        if self._own_temp and not keep_logs and not os.environ.get("UNBROKEN_KEEP_RAY_LOGS"):
+            shutil.rmtree(self.temp, ignore_errors=True)
 
 
 class PrivateRedis:

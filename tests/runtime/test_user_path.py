@@ -244,12 +244,16 @@ def _check_spare_swap(events: list[Any], data: dict[str, Any]) -> None:
 @pytest.mark.timeout(900)
 def test_serve_on_ray_start_cluster_recovers_from_keepers(tmp_path: Path) -> None:
     cluster = RayStartCluster(head={"num-cpus": "2"})
+    ok = False
     try:
         cluster.add_node("b", num_cpus=2)
         cluster.wait_nodes(2)
         _run_user_path(tmp_path, cluster, second_job=True)
+        ok = True
     finally:
-        cluster.stop()
+        _stop(cluster, ok)
+    if not os.environ.get("UNBROKEN_KEEP_RAY_LOGS"):
+        assert not Path(cluster.temp).exists(), "the cluster's temp dir (Ray's logs) was left behind"
 
 
 @pytest.mark.slow
@@ -260,10 +264,19 @@ def test_serve_on_kuberay_manifest_cluster_swaps_in_a_hot_spare(tmp_path: Path) 
     and one hot spare on the pods' four CPUs."""
     head, cpu = manifest_start_params()
     cluster = RayStartCluster(head=head)
+    ok = False
     try:
         cluster.add_node("pod-a", num_cpus=2, params=cpu)
         cluster.add_node("pod-b", num_cpus=2, params=cpu)
         cluster.wait_nodes(3)
         _run_user_path(tmp_path, cluster, second_job=False, spare=True, node_loss=True)
+        ok = True
     finally:
-        cluster.stop()
+        _stop(cluster, ok)
+
+
+def _stop(cluster: RayStartCluster, ok: bool) -> None:
+    """Stop the cluster; a failed test keeps Ray's logs, and says where."""
+    cluster.stop(keep_logs=not ok)
+    if not ok:
+        print(f"Ray's logs are kept in {cluster.temp}/session_latest/logs")

@@ -372,9 +372,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         signal.signal(signal.SIGTERM, old_term)
-    if ok:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-    else:
+    from service.local_cluster import discard_ray_temp
+
+    discard_ray_temp(ray_tmp, keep_logs=not ok)
+    if not ok:
         console.print(f"Ray's logs are kept in {ray_tmp}/session_latest/logs")
     console.print(f"\ndemo {'done' if ok else 'FAILED'} in {time.monotonic() - t_start:.0f}s")
     return 0 if ok else 1

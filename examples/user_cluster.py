@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -24,7 +23,7 @@ from typing import Any
 import httpx
 import yaml
 
-from service.local_cluster import FAST_FAILURE_DETECTION, free_port
+from service.local_cluster import FAST_FAILURE_DETECTION, discard_ray_temp, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 UNBROKEN = str(Path(sys.executable).with_name("unbroken"))
@@ -109,8 +108,7 @@ class RayStartCluster:
     def __init__(self, *, head: dict[str, str] | None = None, temp: str | None = None,
                  gcs_redis: str | None = None) -> None:
         self.temp = temp or tempfile.mkdtemp(prefix="ubrs-", dir="/tmp")  # short: Ray's socket paths
-        # One made here goes at stop() unless its logs are kept (as service.local_cluster's)
-        self._own_temp = temp is None
+        self._own_temp = temp is None  # one made here goes at stop() (discard_ray_temp)
         self.port = free_port()
         self.sids: list[int] = []
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -249,14 +247,13 @@ class RayStartCluster:
             raise AssertionError(f"{n} Ray nodes not alive after {timeout:g}s (saw {last!r}): {r.stderr[-1500:]}")
 
     def stop(self, keep_logs: bool = False) -> None:
-        """Stop every node; remove the temp dir this cluster made unless `keep_logs` (or the environment's
-        UNBROKEN_KEEP_RAY_LOGS) keeps Ray's logs there."""
+        """Stop every node; the temp dir this cluster made goes unless its logs are kept (discard_ray_temp)."""
         stop_sessions(self.sids, self.temp)
         for p in self.procs:  # reap our own children
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=5)
-        if self._own_temp and not keep_logs and not os.environ.get("UNBROKEN_KEEP_RAY_LOGS"):
-            shutil.rmtree(self.temp, ignore_errors=True)
+        if self._own_temp:
+            discard_ray_temp(self.temp, keep_logs=keep_logs)
 
 
 class PrivateRedis:

@@ -41,6 +41,17 @@ FAST_FAILURE_DETECTION: dict[str, Any] = {
 
 from checkpointing.keeper import CONTROL_RESOURCE, NODE_RESOURCE_PREFIX  # noqa: E402
 
+KEEP_RAY_LOGS_ENV = "UNBROKEN_KEEP_RAY_LOGS"  # set: a stopped cluster's temp dir (Ray's logs) stays
+
+
+def discard_ray_temp(path: str, *, keep_logs: bool = False) -> None:
+    """Remove a stopped cluster's private temp dir (Ray's logs and sockets, a few MB a run) unless its logs
+    are kept: `keep_logs` (a failed run's), or UNBROKEN_KEEP_RAY_LOGS in the environment (to read the
+    workers' logs after a test or a benchmark). Every cluster our tests, benchmarks and examples start
+    ends here."""
+    if not keep_logs and not os.environ.get(KEEP_RAY_LOGS_ENV):
+        shutil.rmtree(path, ignore_errors=True)
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -76,9 +87,8 @@ class LocalCluster:
         self.dashboard_port = free_port()
         self.metrics_export_port = metrics_export_port
         self.object_store_mb = object_store_mb
-        # A short private temp dir: Ray's socket paths must stay under 108 characters. One made here (Ray's
-        # logs and sockets, a few MB a run) is removed at shutdown unless its logs are kept (shutdown's
-        # keep_logs, or UNBROKEN_KEEP_RAY_LOGS=1 to read the workers' logs after a test or a benchmark).
+        # A short private temp dir: Ray's socket paths must stay under 108 characters. One made here goes
+        # at shutdown (discard_ray_temp).
         self._own_temp = temp_dir is None
         self.temp_dir = temp_dir or tempfile.mkdtemp(prefix="ubray-", dir="/tmp")
         self._cluster: Cluster | None = None
@@ -176,16 +186,15 @@ class LocalCluster:
         ray.init(address=self.address, namespace=namespace, log_to_driver=False, _node_ip_address="127.0.0.1")
 
     def shutdown(self, keep_logs: bool = False) -> None:
-        """Stop every node; remove the temp dir this cluster made unless `keep_logs` (or the environment's
-        UNBROKEN_KEEP_RAY_LOGS) keeps Ray's logs there."""
+        """Stop every node; the temp dir this cluster made goes unless its logs are kept (discard_ray_temp)."""
         if ray.is_initialized():
             ray.shutdown()
         if self._cluster is not None:
             self._cluster.shutdown()
             self._cluster = None
         self.nodes.clear()
-        if self._own_temp and not keep_logs and not os.environ.get("UNBROKEN_KEEP_RAY_LOGS"):
-            shutil.rmtree(self.temp_dir, ignore_errors=True)
+        if self._own_temp:
+            discard_ray_temp(self.temp_dir, keep_logs=keep_logs)
 
     def __enter__(self) -> LocalCluster:
         self.start()

@@ -10,6 +10,8 @@ once with it instead of going through recoveries.
 
 from __future__ import annotations
 
+import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -58,9 +60,6 @@ def _probe_storage(field: str, uri: str, ckpt_cfg: Any, *, must_hold: bool = Fal
     The write also makes the store ready for the ranks' first checkpoint: a bucket's first writes, made
     by every rank at once, took SeaweedFS 1.1 s (volumes are allocated on the first write) against 0.08 s
     once one object had been written."""
-    import os
-    import socket
-
     from checkpointing.uri import open_store
 
     doing = "read"

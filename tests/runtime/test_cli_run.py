@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 
+from service.local_cluster import KEEP_RAY_LOGS_ENV
 from tests.runtime.jobs import TINY_MODEL
 
 REPO = Path(__file__).resolve().parents[2]
@@ -71,7 +72,7 @@ def test_unbroken_run_keeps_rays_logs_of_a_failed_job(tmp_path: Path) -> None:
            "parallelism": {"dp_shard": 2}, "resources": {"cpus_per_worker": 0.5}}
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    env.pop("UNBROKEN_KEEP_RAY_LOGS", None)
+    env.pop(KEEP_RAY_LOGS_ENV, None)
     proc = subprocess.run([sys.executable, "-c", "from api.cli import main; main()", "run", "job.yaml",
                            "--num-cpus", "2", "--no-progress"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)

@@ -31,6 +31,7 @@ import httpx
 import pytest
 
 from examples.user_cluster import UNBROKEN, RayStartCluster, Serve, manifest_start_params
+from service.local_cluster import KEEP_RAY_LOGS_ENV
 from tests.control_plane import until
 from tests.runtime.jobs import paced
 
@@ -252,7 +253,7 @@ def test_serve_on_ray_start_cluster_recovers_from_keepers(tmp_path: Path) -> Non
         ok = True
     finally:
         _stop(cluster, ok)
-    if not os.environ.get("UNBROKEN_KEEP_RAY_LOGS"):
+    if not os.environ.get(KEEP_RAY_LOGS_ENV):
         assert not Path(cluster.temp).exists(), "the cluster's temp dir (Ray's logs) was left behind"
 
 

@@ -60,7 +60,11 @@ def test_a_spare_lost_with_its_node_is_not_swapped_in(nodes_cluster: LocalCluste
         assert [g["dp"] for g in gens[:2]] == [3, 2], gens
         assert killed[0] not in gens[1]["nodes"], gens[1]
         recovered = run.of("recovered")
-        assert recovered and recovered[0]["data"]["lost_steps"] <= 1, recovered
+        # From memory, not from scratch. How many steps it goes back is timing, not a bound: when rank 0 is
+        # on the lost node, the rows (and acks) its agent had not yet sent are lost with it, and a restore
+        # never skips a step without a row (CI, 2 loaded cores: rows 3-4 lost, restored step 2).
+        assert recovered and recovered[0]["data"]["source"] == ["keepers"], recovered
+        assert recovered[0]["data"]["restored_step"] >= 1, recovered
         assert [r["step"] for r in run.rows()] == list(range(1, 31))
     finally:
         run.finish()

@@ -72,6 +72,9 @@ class AgentTracker:
     max_step_time_s: float = 0.0
     batches: int = 0
     handles: dict[str, Any] = field(default_factory=dict)  # node -> its agent actor (service only)
+    # node -> the Ray node id its agent was started on: a node lost and back under the same name (a
+    # raylet started again on its host) is a new Ray node, and its old agent went with the old one
+    handle_ids: dict[str, str] = field(default_factory=dict)
     lost_by: dict[str, str] = field(default_factory=dict)  # node in lost_nodes -> the leader that found it silent
     suspects: dict[str, Suspect] = field(default_factory=dict)  # silent nodes not yet written off (judge)
     patience: Patience = field(default_factory=lambda: Patience(PING_PATIENCE_S))
@@ -261,10 +264,11 @@ def start_agents(tracker: AgentTracker, slots: list[Any], generation: int, timeo
         by_node.setdefault(str((s.info or {}).get("node_name")), []).append(s)
     ids = node_ids_by_name()
     for node in sorted(by_node):
-        if node not in tracker.handles:
+        if node not in tracker.handles or (node in ids and tracker.handle_ids.get(node) != ids[node]):
             if node not in ids:
                 raise ValueError(f"node {node} is not alive")
             tracker.handles[node] = agent_handle(tracker, node, ids[node])
+            tracker.handle_ids[node] = ids[node]
     refs = [tracker.handles[node].own.remote([(s.name, s.rank, generation, (s.info or {}).get("pid"), s.handle)
                                               for s in group]) for node, group in by_node.items()]
     groups = agent_groups(list(by_node))

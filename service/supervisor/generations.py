@@ -73,7 +73,7 @@ class Generations:
         self.spares_now = 0  # spares ready beside the running group, as last counted (see with_spares)
         self._positions: dict[int, int] = {}  # replica index -> its dp position in the last generation
         self._spares_checked = 0.0  # when the spares' heartbeats were last checked (monotonic)
-        self._ahead: dict[str, Any] = {}  # node -> its agent, started ahead for a spare there
+        self._ahead: dict[str, Any] = {}  # Ray node id -> its agent, started ahead for a spare there
 
     def set_target(self, dp: int, reason: str) -> None:
         run = self.run
@@ -306,16 +306,17 @@ class Generations:
         it running (creating an actor took about a second of the swap on this 2-core machine)."""
         if self.agents is None:
             return
-        nodes = {r.node_name for r in spares if r.node_name} - set(self.agents.handles) - set(self._ahead)
+        nodes = {r.node_name for r in spares if r.node_name}
         if not nodes:
             return
         from checkpointing.nodes import node_ids_by_name
         from service.supervisor.agents import agent_handle
 
         try:
-            ids = node_ids_by_name()
-            for node in sorted(n for n in nodes if n in ids):
-                self._ahead[node] = agent_handle(self.agents, node, ids[node])
+            ids = node_ids_by_name()  # by id: a node of the same name that came back needs a new agent
+            for node in sorted(n for n in nodes if n in ids and ids[n] not in self._ahead
+                               and self.agents.handle_ids.get(n) != ids[n]):
+                self._ahead[ids[node]] = agent_handle(self.agents, node, ids[node])
         except Exception as e:  # noqa: BLE001 - only a head start: the swap starts the agent itself
             self.reporter.event("spare_agent", f"the agent of a spare's node could not start ahead "
                                 f"({first_line(e)}); a swap starts it", nodes=sorted(nodes))

@@ -1,7 +1,8 @@
 """Node loss on a 3-node cluster: the head runs no workers; nodes b and c hold two workers each.
 
 kill_node on rank 0 SIGKILLs its node's raylet (whichever of b, c it is): the job shrinks 4 -> 2;
-a node added later lets it grow back to 4 at a snapshot boundary, with the fault-free losses.
+the node started again under its name lets it grow back to 4 at a snapshot boundary, with the
+fault-free losses.
 Then, with dp.min = 4, a node loss leaves the job below its minimum: it waits, fails with a
 clear reason and releases everything. First, a warm spare that shares the lost node with a rank of the
 group is dropped with it, never swapped in.
@@ -81,12 +82,19 @@ def test_node_loss_shrinks_then_a_new_node_grows_it_back(nodes_cluster: LocalClu
 
     chaos = [*SLOW, {"kind": "kill_node", "step": 3, "rank": 0}]
     run = JobRun(tiny_spec(tmp_path / "job", steps=STEPS, chaos=chaos))
-    added: list[float] = []
+    added: list[str] = []
+    gens: list[dict[str, Any]] = []
 
     def on_event(ev: dict[str, Any]) -> None:
+        if ev["kind"] == "generation":
+            gens.append(ev["data"])
         if ev["kind"] == "resized" and ev["data"]["new_dp"] == 2 and not added:
-            nodes_cluster.add_node("d", num_cpus=1)  # capacity returns
-            added.append(time.time())
+            # Capacity returns as the lost node started again under its name (a raylet restarted on its
+            # host): a new Ray node, whose agent must be a new one too, not the one lost with the old node.
+            (lost,) = set(gens[0]["nodes"]) - set(gens[-1]["nodes"])
+            nodes_cluster.kill_node(lost)  # (its raylet is dead already: this reaps what is left)
+            nodes_cluster.add_node(lost, num_cpus=1)
+            added.append(lost)
 
     try:
         run.wait(timeout_s=600, on_event=on_event)
@@ -97,6 +105,9 @@ def test_node_loss_shrinks_then_a_new_node_grows_it_back(nodes_cluster: LocalClu
         # Shrink to the two workers left, then grow back to 4 (in one step or as replicas get ready).
         assert resizes[0] == (4, 2) and resizes[-1][1] == 4, resizes
         assert all(e["data"]["cause"] == "growth" for e in run.of("resized")[1:])
+        # The grown generation's ranks on the node that came back report through its new agent.
+        assert not run.of("agents_missing"), [e["message"] for e in run.of("agents_missing")]
+        assert added and added[0] in run.of("generation")[-1]["data"]["agents"], run.of("generation")[-1]
         for ev in run.of("recovered"):
             assert ev["data"]["lost_steps"] <= 1, ev
         assert_same_losses(run.rows(), ref)

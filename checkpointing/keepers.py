@@ -27,6 +27,18 @@ from checkpointing.nodes import node_ids_by_name
 log = logging.getLogger("unbroken.keeper")
 
 
+def start_keeper(node: str, node_id: str, memory_limit_mb: int = 4096) -> ActorHandle:
+    """`keeper-<node>` on the Ray node `node_id`, created or found by name; returns at once (the
+    process may still be starting: its first call waits for it)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return ray.remote(Keeper).options(
+        name=keeper_name(node), namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+        num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        max_concurrency=KEEPER_CONCURRENCY, max_restarts=0,
+    ).remote(node, memory_limit_mb)  # fmt: skip
+
+
 def ensure_keepers(
     node_names: list[str], *, memory_limit_mb: int = 4096, timeout_s: float = 60.0
 ) -> dict[str, ActorHandle]:
@@ -37,22 +49,13 @@ def ensure_keepers(
     answer within timeout_s raises TimeoutError; one whose keeper died as it started (its node went
     meanwhile) raises KeepersNotStarted (a ValueError) with the keepers that did start.
     """
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
     if not node_names:
         raise ValueError("node_names is empty: name at least one node (see current_node_name)")
     ids = node_ids_by_name()
     unknown = sorted(set(node_names) - set(ids))
     if unknown:
         raise ValueError(f"nodes {unknown} are not alive in this Ray cluster (alive: {sorted(ids)})")
-    actor_cls = ray.remote(Keeper)
-    handles: dict[str, ActorHandle] = {}
-    for node in sorted(set(node_names)):
-        handles[node] = actor_cls.options(
-            name=keeper_name(node), namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
-            num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(ids[node], soft=False),
-            max_concurrency=KEEPER_CONCURRENCY, max_restarts=0,
-        ).remote(node, memory_limit_mb)  # fmt: skip
+    handles = {node: start_keeper(node, ids[node], memory_limit_mb) for node in sorted(set(node_names))}
     refs = {node: h.ping.remote() for node, h in handles.items()}
     ready, pending = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
     if pending:

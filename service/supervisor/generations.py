@@ -20,6 +20,7 @@ from service.supervisor.agents import AgentTracker
 from service.supervisor.committer import SnapshotCommitter
 from service.supervisor.context import JobFailed, JobRun
 from service.supervisor.detection import Failure, FailureDetector, root_cause
+from service.supervisor.node_helpers import NodeHelpersAhead
 from service.supervisor.pool import LIVE, Replica, ReplicaPool, ReplicaState, Slot, spares_wanted
 from service.supervisor.reporter import Reporter
 from service.supervisor.words import first_line, plural, restore_phrase
@@ -73,7 +74,7 @@ class Generations:
         self.spares_now = 0  # spares ready beside the running group, as last counted (see with_spares)
         self._positions: dict[int, int] = {}  # replica index -> its dp position in the last generation
         self._spares_checked = 0.0  # when the spares' heartbeats were last checked (monotonic)
-        self._ahead: dict[str, Any] = {}  # Ray node id -> its agent, started ahead for a spare there
+        self.ahead = NodeHelpersAhead(run, agents, reporter.event)  # keepers and agents started where ready replicas wait
 
     def set_target(self, dp: int, reason: str) -> None:
         run = self.run
@@ -288,8 +289,8 @@ class Generations:
         if now == self._spares_told:
             return
         self._spares_told = now
-        self._agents_ahead(spares)
-        members = {r.node_name for r in self.pool.in_state(ReplicaState.ACTIVE)}
+        members = self._group_nodes()
+        self.ahead.start([(r.index, r.node_name) for r in spares if r.node_name], members)
         nodes = [r.node_name or "?" for r in spares]
         apart = sum(1 for r in spares if r.node_name not in members)
         where = (f" on node {', '.join(nodes)} ({apart} of them away from the group's nodes "
@@ -301,25 +302,8 @@ class Generations:
                             group_nodes=sorted(str(m) for m in members), apart=apart, generation=self.run.generation)
         telemetry.record_group(self.run.job_id, self.run.dp, self.run.generation, spares=len(spares))
 
-    def _agents_ahead(self, spares: list[Replica]) -> None:
-        """The node agent of each spare's node, started now where the group has none: a swap then finds
-        it running (creating an actor took about a second of the swap on this 2-core machine)."""
-        if self.agents is None:
-            return
-        nodes = {r.node_name for r in spares if r.node_name}
-        if not nodes:
-            return
-        from checkpointing.nodes import node_ids_by_name
-        from service.supervisor.agents import agent_handle
-
-        try:
-            ids = node_ids_by_name()  # by id: a node of the same name that came back needs a new agent
-            for node in sorted(n for n in nodes if n in ids and ids[n] not in self._ahead
-                               and self.agents.handle_ids.get(n) != ids[n]):
-                self._ahead[ids[node]] = agent_handle(self.agents, node, ids[node])
-        except Exception as e:  # noqa: BLE001 - only a head start: the swap starts the agent itself
-            self.reporter.event("spare_agent", f"the agent of a spare's node could not start ahead "
-                                f"({first_line(e)}); a swap starts it", nodes=sorted(nodes))
+    def _group_nodes(self) -> set[str]:
+        return {r.node_name for r in self.pool.in_state(ReplicaState.ACTIVE) if r.node_name}
 
     def _drop_silent_spares(self) -> None:
         """A spare whose worker stopped beating (died, hung, its node lost) for heartbeat_timeout_s is
@@ -384,6 +368,10 @@ class Generations:
                 return  # more replicas are on their way: grow once, with all of them, unless they are slow
             if min(self.scaling.wants_growth(run.dp, pool.count(ReplicaState.READY)), self.target - run.dp) <= 0:
                 return
+            ready = [(r.index, r.node_name) for r in pool.in_state(ReplicaState.READY) if r.node_name]
+            self.ahead.start(ready, self._group_nodes())
+            if not self.ahead.ready([n for _, n in ready]):
+                return  # train on while their nodes' keeper and agent start, not inside the pause
             why = f"{pool.count(ReplicaState.READY)} spare replica(s) ready: growing"
         every = run.spec.checkpoint.in_memory_every or run.spec.checkpoint.persist_every or 1
         with run.lock:

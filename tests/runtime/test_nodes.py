@@ -108,6 +108,10 @@ def test_node_loss_shrinks_then_a_new_node_grows_it_back(nodes_cluster: LocalClu
         # The grown generation's ranks on the node that came back report through its new agent.
         assert not run.of("agents_missing"), [e["message"] for e in run.of("agents_missing")]
         assert added and added[0] in run.of("generation")[-1]["data"]["agents"], run.of("generation")[-1]
+        # Its keeper and agent were started, and answered, while the group trained on: before the pause.
+        ready = [e for e in run.of("helpers_ready") if e["data"]["node"] == added[0] and not e["data"].get("late")]
+        growing = [e for e in run.of("growing") if e["data"]["target_dp"] == 4]
+        assert ready and growing and ready[0]["id"] < growing[-1]["id"], [e["message"] for e in run.events[-12:]]
         for ev in run.of("recovered"):
             assert ev["data"]["lost_steps"] <= 1, ev
         assert_same_losses(run.rows(), ref)

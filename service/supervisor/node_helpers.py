@@ -1,0 +1,96 @@
+"""A job's helpers on a node (its snapshot keeper, its node agent), started ahead where ready replicas wait.
+
+A generation that takes in a replica on a node new to the group (a grow onto a node that came back, a
+spare swapped in from another node) needs that node's keeper and agent. Started at the launch, they are
+two actor start-ups inside the pause (1.4 s and 1.8 s, one after the other, on the 2-core VM:
+goodput_bench's grow-back paused 5.1 s). Started once the replica is ready, they start while the group
+trains on, and a grow waits (training) until they answer, up to AHEAD_WAIT_S; the launch then finds
+them by name. They are not added to the supervisor's keeper set here: a keeper that holds no copies
+yet must not count towards the copies a commit needs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from service.supervisor.agents import AgentTracker, agent_handle
+from service.supervisor.context import JobRun
+
+AHEAD_WAIT_S = 10.0  # a grow waits this long at most for a node's helpers to answer, then goes ahead
+
+
+@dataclass
+class _Started:
+    node_id: str
+    at: float  # monotonic
+    pings: list[Any] = field(default_factory=list)  # the helpers' first answers, pending or done
+    what: list[str] = field(default_factory=list)  # "snapshot keeper", "node agent"
+    told: bool = False  # their answer (or the wait given up) was said in an event
+
+
+class NodeHelpersAhead:
+    def __init__(self, run: JobRun, agents: AgentTracker | None, event: Callable[..., None]) -> None:
+        self.run = run
+        self.agents = agents
+        self.event = event  # the reporter's
+        self._started: dict[str, _Started] = {}  # node -> what was started there ahead
+        self._asked: set[int] = set()  # replica indices whose nodes were seen to
+
+    def start(self, replicas: list[tuple[int, str]], group_nodes: set[str]) -> None:
+        """Start the keeper and agent on the nodes of these (replica index, node) pairs that the group
+        does not use (where it runs, its launch started them); cheap when none of the replicas is new
+        (Ray's node table is read only for new ones)."""
+        new = [(i, n) for i, n in replicas if i not in self._asked]
+        if not new:
+            return
+        self._asked.update(i for i, _ in new)
+        new = [(i, n) for i, n in new if n not in group_nodes]
+        if not new:
+            return
+        from checkpointing.keepers import start_keeper
+        from checkpointing.nodes import node_ids_by_name
+
+        ids = node_ids_by_name()
+        ckpt = self.run.spec.checkpoint
+        for node in sorted({n for _, n in new if n in ids}):
+            held = self._started.get(node)
+            if held is not None and held.node_id == ids[node]:
+                continue
+            started = self._started[node] = _Started(ids[node], time.monotonic())
+            # Found by name when it runs (one ping); a keeper of a node lost under this name is dead, and
+            # the committer, finding its handle dead at the launch, takes this one by name.
+            if ckpt.in_memory_every:
+                started.pings.append(start_keeper(node, ids[node], ckpt.keeper_memory_limit_mb).ping.remote())
+                started.what.append("snapshot keeper")
+            if self.agents is not None and self.agents.handle_ids.get(node) != ids[node]:
+                started.pings.append(agent_handle(self.agents, node, ids[node]).ping.remote())
+                started.what.append("node agent")
+
+    def ready(self, nodes: list[str]) -> bool:
+        """Whether the helpers started ahead on these nodes answered (or died, or were given
+        AHEAD_WAIT_S): a grow onto them may pause now. Never blocks; each node's outcome is said once."""
+        now, ok = time.monotonic(), True
+        for n in nodes:
+            s = self._started.get(n)
+            if s is None or s.told or not s.pings:
+                continue
+            done, _ = ray.wait(s.pings, num_returns=len(s.pings), timeout=0)
+            waited = now - s.at
+            if len(done) < len(s.pings) and waited < AHEAD_WAIT_S:
+                ok = False
+                continue
+            s.told = True
+            what = " and ".join(s.what)
+            if len(done) == len(s.pings):
+                self.event("helpers_ready", f"The {what} of node {n} answered {waited:.2f}s after they were "
+                           "started there ahead of the replica that waits to join.", node=n, waited_s=round(waited, 3))
+            else:
+                self.event("helpers_ready", f"The {what} of node {n} did not answer within {AHEAD_WAIT_S:.0f}s of "
+                           "their start; the group grows now, and its launch waits for them.", node=n,
+                           waited_s=round(waited, 3), late=True)
+        return ok

@@ -241,6 +241,8 @@ class Generations:
             self.committer.watch_keepers()
             self.reporter.maybe_flush_logs()
             self.pool.advance()
+            self.ahead.start([(r.index, r.node_name) for r in self.pool.in_state(ReplicaState.READY) if r.node_name],
+                             self._group_nodes)
             self.tell_spares()
             slots = self.pool.active_slots()
             pending = [s for s in slots if s.result is None]
@@ -290,7 +292,6 @@ class Generations:
             return
         self._spares_told = now
         members = self._group_nodes()
-        self.ahead.start([(r.index, r.node_name) for r in spares if r.node_name], members)
         nodes = [r.node_name or "?" for r in spares]
         apart = sum(1 for r in spares if r.node_name not in members)
         where = (f" on node {', '.join(nodes)} ({apart} of them away from the group's nodes "
@@ -368,9 +369,7 @@ class Generations:
                 return  # more replicas are on their way: grow once, with all of them, unless they are slow
             if min(self.scaling.wants_growth(run.dp, pool.count(ReplicaState.READY)), self.target - run.dp) <= 0:
                 return
-            ready = [(r.index, r.node_name) for r in pool.in_state(ReplicaState.READY) if r.node_name]
-            self.ahead.start(ready, self._group_nodes())
-            if not self.ahead.ready([n for _, n in ready]):
+            if not self.ahead.ready([r.node_name for r in pool.in_state(ReplicaState.READY) if r.node_name]):
                 return  # train on while their nodes' keeper and agent start, not inside the pause
             why = f"{pool.count(ReplicaState.READY)} spare replica(s) ready: growing"
         every = run.spec.checkpoint.in_memory_every or run.spec.checkpoint.persist_every or 1

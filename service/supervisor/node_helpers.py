@@ -1,11 +1,11 @@
 """A job's helpers on a node (its snapshot keeper, its node agent), started ahead where ready replicas wait.
 
 A generation that takes in a replica on a node new to the group (a grow onto a node that came back, a
-spare swapped in from another node) needs that node's keeper and agent. Started at the launch, they are
-two actor start-ups inside the pause (1.4 s and 1.8 s, one after the other, on the 2-core VM:
-goodput_bench's grow-back paused 5.1 s). Started once the replica is ready, they start while the group
-trains on, and a grow waits (training) until they answer, up to AHEAD_WAIT_S; the launch then finds
-them by name. They are not added to the supervisor's keeper set here: a keeper that holds no copies
+spare or ready replica taken in by a recovery) needs that node's keeper and agent. Started at the
+launch, they are two actor start-ups inside the pause (1.4 s and 1.8 s, one after the other, on the
+2-core VM: goodput_bench's grow-back paused 5.1 s). Started once the replica is ready, they start while
+the group trains on, and a grow waits (training) until they answer, up to AHEAD_WAIT_S; the launch
+then finds them by name. They are not added to the supervisor's keeper set here: a keeper that holds no copies
 yet must not count towards the copies a commit needs.
 """
 
@@ -41,15 +41,16 @@ class NodeHelpersAhead:
         self._started: dict[str, _Started] = {}  # node -> what was started there ahead
         self._asked: set[int] = set()  # replica indices whose nodes were seen to
 
-    def start(self, replicas: list[tuple[int, str]], group_nodes: set[str]) -> None:
+    def start(self, replicas: list[tuple[int, str]], group_nodes: Callable[[], set[str]]) -> None:
         """Start the keeper and agent on the nodes of these (replica index, node) pairs that the group
-        does not use (where it runs, its launch started them); cheap when none of the replicas is new
-        (Ray's node table is read only for new ones)."""
+        does not use (`group_nodes()`: where it runs, its launch started them); cheap when none of the
+        replicas is new (Ray's node table is read only for new ones)."""
         new = [(i, n) for i, n in replicas if i not in self._asked]
         if not new:
             return
         self._asked.update(i for i, _ in new)
-        new = [(i, n) for i, n in new if n not in group_nodes]
+        busy = group_nodes()
+        new = [(i, n) for i, n in new if n not in busy]
         if not new:
             return
         from checkpointing.keepers import start_keeper

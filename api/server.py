@@ -21,6 +21,7 @@ import uvicorn
 
 from service import auth
 from service.store import JobStore
+from workers.ports import free_port
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +41,6 @@ def normalize_db_url(url: str) -> str:
     return url
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def ensure_admin_token(store: JobStore, url: str, token_path: Path | None = None) -> tuple[str, Path]:

@@ -13,7 +13,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -40,6 +39,7 @@ FAST_FAILURE_DETECTION: dict[str, Any] = {
 }
 
 from checkpointing.keeper import CONTROL_RESOURCE, NODE_RESOURCE_PREFIX  # noqa: E402
+from workers.ports import free_port  # noqa: E402
 
 KEEP_RAY_LOGS_ENV = "UNBROKEN_KEEP_RAY_LOGS"  # set: a stopped cluster's temp dir (Ray's logs) stays
 
@@ -53,10 +53,6 @@ def discard_ray_temp(path: str, *, keep_logs: bool = False) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class LocalCluster:

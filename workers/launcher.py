@@ -17,7 +17,6 @@ import os
 import queue
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -30,6 +29,7 @@ from typing import Any
 from parallel.config import EngineConfig, resolve_local_paths
 from workers.final_state import FINAL_DIR
 from workers.metrics_log import METRICS_FILE, MetricsLog
+from workers.ports import free_port
 from workers.progress import StepProgress
 from workers.rank_main import DEVICE_ENV, LAUNCH_TIME_ENV, REPORT_FD_ENV, error_file
 
@@ -118,10 +118,6 @@ def check_job(cfg: EngineConfig, nproc: int, device: str = "cpu") -> None:
         raise LaunchConfigError("\n".join(errors))
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def exited_rc(proc: subprocess.Popen[bytes]) -> int:

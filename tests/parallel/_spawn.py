@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -19,11 +18,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from workers.ports import free_port
 
 
 def init_group(rank: int, world: int, port: int, backend: str = "gloo") -> None:

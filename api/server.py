@@ -41,8 +41,6 @@ def normalize_db_url(url: str) -> str:
     return url
 
 
-
-
 def ensure_admin_token(store: JobStore, url: str, token_path: Path | None = None) -> tuple[str, Path]:
     """Reuse the token file's admin token if this store knows it; else mint one and write the file."""
     path = token_path or auth.token_file_path()

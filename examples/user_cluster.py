@@ -23,7 +23,8 @@ from typing import Any
 import httpx
 import yaml
 
-from service.local_cluster import FAST_FAILURE_DETECTION, discard_ray_temp, free_port
+from service.local_cluster import FAST_FAILURE_DETECTION, discard_ray_temp
+from workers.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 UNBROKEN = str(Path(sys.executable).with_name("unbroken"))

@@ -53,8 +53,6 @@ def discard_ray_temp(path: str, *, keep_logs: bool = False) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-
-
 class LocalCluster:
     """A private multi-node Ray cluster; each node carries the resource `unbroken_node_<name>`.
 

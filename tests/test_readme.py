@@ -42,7 +42,7 @@ import typer.main
 import yaml
 
 from api.cli import app
-from api.server import free_port
+from workers.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

@@ -118,8 +118,6 @@ def check_job(cfg: EngineConfig, nproc: int, device: str = "cpu") -> None:
         raise LaunchConfigError("\n".join(errors))
 
 
-
-
 def exited_rc(proc: subprocess.Popen[bytes]) -> int:
     """The exit code of a process known to have exited (0 if it is somehow still running)."""
     rc = proc.poll()

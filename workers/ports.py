@@ -7,6 +7,7 @@ import socket
 from pathlib import Path
 
 _RAY_WORKER_PORTS_END = 19999  # Ray's default max_worker_port: its worker processes take ports up to it
+_handed_out: set[int] = set()  # ports free_port returned in this process
 
 
 def _ephemeral_ports_start() -> int:
@@ -36,6 +37,3 @@ def free_port() -> int:
         _handed_out.add(port)
         return port
     raise OSError(f"no free loopback port in {lo}..{hi}")
-
-
-_handed_out: set[int] = set()  # ports free_port returned in this process

@@ -247,6 +247,16 @@ def agent_handle(tracker: AgentTracker, node: str, node_id: str) -> Any:
     ).remote(agent_name(run.job_id, node), node, run.self_handle, tracker.interval_s, run.ft.heartbeat_timeout_s)
 
 
+def current_agent(tracker: AgentTracker, node: str, node_id: str) -> tuple[Any, bool]:
+    """(the job's agent on `node`, whether it was started now): the one the tracker holds if it was made
+    on this Ray node, else a new one, recorded (a node lost and back under its name is a new Ray node)."""
+    if node in tracker.handles and tracker.handle_ids.get(node) == node_id:
+        return tracker.handles[node], False
+    tracker.handles[node] = agent_handle(tracker, node, node_id)
+    tracker.handle_ids[node] = node_id
+    return tracker.handles[node], True
+
+
 def start_agents(tracker: AgentTracker, slots: list[Any], generation: int, timeout_s: float = 30.0) -> dict[str, Any]:
     """An agent on each node of `slots` (created once per job and node, found by name after a supervisor
     restart), told which of its node's workers are which rank in `generation`; returns {node: agent}.
@@ -264,11 +274,10 @@ def start_agents(tracker: AgentTracker, slots: list[Any], generation: int, timeo
         by_node.setdefault(str((s.info or {}).get("node_name")), []).append(s)
     ids = node_ids_by_name()
     for node in sorted(by_node):
-        if node not in tracker.handles or (node in ids and tracker.handle_ids.get(node) != ids[node]):
-            if node not in ids:
-                raise ValueError(f"node {node} is not alive")
-            tracker.handles[node] = agent_handle(tracker, node, ids[node])
-            tracker.handle_ids[node] = ids[node]
+        if node in ids:
+            current_agent(tracker, node, ids[node])
+        elif node not in tracker.handles:
+            raise ValueError(f"node {node} is not alive")
     refs = [tracker.handles[node].own.remote([(s.name, s.rank, generation, (s.info or {}).get("pid"), s.handle)
                                               for s in group]) for node, group in by_node.items()]
     groups = agent_groups(list(by_node))

@@ -5,8 +5,9 @@ spare or ready replica taken in by a recovery) needs that node's keeper and agen
 launch, they are two actor start-ups inside the pause (1.4 s and 1.8 s, one after the other, on the
 2-core VM: goodput_bench's grow-back paused 5.1 s). Started once the replica is ready, they start while
 the group trains on, and a grow waits (training) until they answer, up to AHEAD_WAIT_S; the launch
-then finds them by name. They are not added to the supervisor's keeper set here: a keeper that holds no copies
-yet must not count towards the copies a commit needs.
+then finds them (the agent in the tracker, the keeper by name). The keeper is not added to the
+supervisor's keeper set here: one that holds no copies yet must not count towards a commit's copies.
+Only a head start: when it fails, the launch starts them as before.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from typing import Any
 
 import ray
 
-from service.supervisor.agents import AgentTracker, agent_handle
+from service.supervisor.agents import AgentTracker, current_agent
 from service.supervisor.context import JobRun
+from service.supervisor.words import first_line
 
 AHEAD_WAIT_S = 10.0  # a grow waits this long at most for a node's helpers to answer, then goes ahead
 
@@ -53,12 +55,22 @@ class NodeHelpersAhead:
         new = [(i, n) for i, n in new if n not in busy]
         if not new:
             return
+        nodes = sorted({n for _, n in new})
+        try:
+            self._start(nodes)
+        except Exception as e:  # noqa: BLE001 - only a head start: the launch starts them itself
+            for n in nodes:
+                self.event("helpers_late", f"The snapshot keeper and node agent of node {n} could not be started "
+                           f"ahead ({first_line(e)}); the launch that takes its replicas in starts them.",
+                           node=n, late=True)
+
+    def _start(self, nodes: list[str]) -> None:
         from checkpointing.keepers import start_keeper
         from checkpointing.nodes import node_ids_by_name
 
         ids = node_ids_by_name()
         ckpt = self.run.spec.checkpoint
-        for node in sorted({n for _, n in new if n in ids}):
+        for node in [n for n in nodes if n in ids]:
             held = self._started.get(node)
             if held is not None and held.node_id == ids[node]:
                 continue
@@ -68,9 +80,11 @@ class NodeHelpersAhead:
             if ckpt.in_memory_every:
                 started.pings.append(start_keeper(node, ids[node], ckpt.keeper_memory_limit_mb).ping.remote())
                 started.what.append("snapshot keeper")
-            if self.agents is not None and self.agents.handle_ids.get(node) != ids[node]:
-                started.pings.append(agent_handle(self.agents, node, ids[node]).ping.remote())
-                started.what.append("node agent")
+            if self.agents is not None:
+                agent, new_agent = current_agent(self.agents, node, ids[node])
+                if new_agent:
+                    started.pings.append(agent.ping.remote())
+                    started.what.append("node agent")
 
     def ready(self, nodes: list[str]) -> bool:
         """Whether the helpers started ahead on these nodes answered (or died, or were given
@@ -91,7 +105,7 @@ class NodeHelpersAhead:
                 self.event("helpers_ready", f"The {what} of node {n} answered {waited:.2f}s after they were "
                            "started there ahead of the replica that waits to join.", node=n, waited_s=round(waited, 3))
             else:
-                self.event("helpers_ready", f"The {what} of node {n} did not answer within {AHEAD_WAIT_S:.0f}s of "
+                self.event("helpers_late", f"The {what} of node {n} did not answer within {AHEAD_WAIT_S:.0f}s of "
                            "their start; the group grows now, and its launch waits for them.", node=n,
                            waited_s=round(waited, 3), late=True)
         return ok

@@ -18,7 +18,7 @@ import pytest
 from typer.testing import CliRunner
 
 from api.cli import app
-from api.server import free_port
+from workers.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "ray", "fastapi", "sqlalchemy", "uvicorn")

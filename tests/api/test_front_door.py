@@ -21,9 +21,10 @@ from api.app import create_app
 from api.auth_limits import FailedAuthLimiter
 from api.body_limits import MAX_DEPTH, MAX_YAML_ALIASES, MAX_YAML_NODES
 from api.cli import app as cli
-from api.server import BackgroundServer, free_port
+from api.server import BackgroundServer
 from service.store import JobStore
 from tests.ui.test_console_security import log_in
+from workers.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_FAILURES = 5

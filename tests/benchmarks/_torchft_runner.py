@@ -45,7 +45,7 @@ def replica(cfg: dict[str, Any]) -> None:
     from parallel.loss import token_loss_sum
     from parallel.optim import clip_grad_norm_, set_scheduler_step
     from parallel.trainer import Trainer
-    from service.local_cluster import free_port
+    from workers.ports import free_port
 
     torch.set_num_threads(1)
     rid, world, steps, t_out = cfg["replica"], cfg["world"], cfg["steps"], cfg["timeout_s"]
@@ -200,7 +200,7 @@ class _Lighthouse:
     def __init__(self, log: Path) -> None:
         import socket
 
-        from service.local_cluster import free_port
+        from workers.ports import free_port
 
         port = free_port()
         self.address = f"http://127.0.0.1:{port}"

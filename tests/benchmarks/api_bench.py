@@ -25,10 +25,10 @@ from pathlib import Path
 import httpx
 from sqlalchemy import insert
 
-from api.server import free_port
 from service.models import Event, Job
 from service.spec import parse_spec
 from service.store import JobStore, new_job_id, spec_to_private_json
+from workers.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = {"name": "bench", "model": {"preset": "tiny"}, "training": {"steps": 10}}

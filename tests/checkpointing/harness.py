@@ -18,8 +18,6 @@ from workers.ports import free_port
 REPO = Path(__file__).resolve().parents[2]
 
 
-
-
 def run_ranks(
     module: str, world: int, args: list[str], env: dict[str, str], timeout_s: float, log_dir: Path
 ) -> None:

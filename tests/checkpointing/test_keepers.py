@@ -39,8 +39,9 @@ from checkpointing.keepers import (
 )
 from checkpointing.shard_stream import MAX_KEPT
 from checkpointing.snapshot import SnapshotClient, SnapshotLost, restore_from_keepers
-from service.local_cluster import LocalCluster, free_port
+from service.local_cluster import LocalCluster
 from tests.checkpointing.keeper_ranks import RankActor
+from workers.ports import free_port
 
 JOB = "job-keepers"
 LIMIT_MB = 16

@@ -8,8 +8,9 @@ from typing import Any
 
 import torch
 
-from tests.parallel._spawn import free_port, init_group, run_ranks
+from tests.parallel._spawn import init_group, run_ranks
 from tests.parallel.test_regroup import _cfg, _copy, _equal, _load
+from workers.ports import free_port
 
 NEWCOMER = 2  # replica 1, shard 0: its peer is rank 0
 

@@ -26,8 +26,8 @@ import pytest
 import yaml
 
 from examples.user_cluster import cmdline, session_pids
-from service.local_cluster import free_port
 from tests.deploy.validation import REPO
+from workers.ports import free_port
 
 STARTUP_S = 240.0  # ray start + the API's imports on a loaded 2-core machine
 

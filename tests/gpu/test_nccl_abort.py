@@ -4,20 +4,15 @@ group, and re-forms a group in the same process (workers.group). Needs 2 GPUs.""
 from __future__ import annotations
 
 import pickle
-import socket
 import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
+from workers.ports import free_port
+
 pytestmark = pytest.mark.gpu
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.timeout(300)
@@ -30,7 +25,7 @@ def test_peer_death_abort_then_reform_in_the_same_process() -> None:
 
     with tempfile.TemporaryDirectory() as out:
         ctx = mp.get_context("spawn")
-        ports = [_port(), _port()]
+        ports = [free_port(), free_port()]
         procs = [ctx.Process(target=abort_and_reform, args=(r, 2, ports, out)) for r in range(2)]
         for p in procs:
             p.start()

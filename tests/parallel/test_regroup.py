@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-from tests.parallel._spawn import free_port, init_group, run_ranks
+from tests.parallel._spawn import init_group, run_ranks
+from workers.ports import free_port
 
 
 class _Fault(RuntimeError):

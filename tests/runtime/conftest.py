@@ -6,7 +6,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from service.local_cluster import LocalCluster, free_port
+from service.local_cluster import LocalCluster
+from workers.ports import free_port
 
 
 def make_cluster(head_cpus: float, nodes: dict[str, float], *, observed: bool = False) -> Iterator[LocalCluster]:

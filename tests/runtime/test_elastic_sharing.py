@@ -146,7 +146,7 @@ def fake_autoscaling_cluster(tmp: Path) -> RayStartCluster:
     add one 2-CPU node and removes it 6 s after it is idle."""
     import ray._private.services as services
 
-    from service.local_cluster import free_port
+    from workers.ports import free_port
 
     port = free_port()
     config = {

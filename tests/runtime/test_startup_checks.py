@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from service.local_cluster import free_port
 from tests.runtime.jobs import JobRun, assert_no_leaks, tiny_spec
+from workers.ports import free_port
 
 
 def _bad_jobs(tmp: Path) -> list[tuple[str, dict[str, Any], str]]:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from api.server import free_port
+from workers.ports import free_port
 
 
 def _bin(name: str) -> str:

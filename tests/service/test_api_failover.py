@@ -18,9 +18,9 @@ from typer.testing import CliRunner
 
 from api.cli import app as cli
 from api.client import Client
-from api.server import free_port
 from service.store import JobStore
 from tests.service.databases import database
+from workers.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 JOBS = 24

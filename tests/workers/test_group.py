@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch.multiprocessing as mp
 
-from tests.parallel._spawn import free_port
 from tests.workers import group_ranks
+from workers.ports import free_port
 
 
 def test_two_level_rendezvous_forms_reforms_and_names_the_missing() -> None:

@@ -164,7 +164,7 @@ class FailureDetector:
             if gone:
                 ranks = ", ".join(str(s.rank) for s in gone[:8]) + (" ..." if len(gone) > 8 else "")
                 return Failure(FailureKind.NODE_DIED, gone, f"Node {node} is lost: its agent sent nothing for "
-                               f"{now - seen:.1f}s (ranks {ranks}).", now, t_fault=seen)
+                               f"{max(0.0, now - seen):.1f}s (ranks {ranks}).", now, t_fault=seen)
         return None
 
     def check_stragglers(self, slots: list[Slot]) -> Failure | None:

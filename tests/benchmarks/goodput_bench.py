@@ -35,7 +35,9 @@ step). A step's fault-free time depends on how many ranks did it: on 2 cores, 3 
 fault-free run's mean step time at the full width, and at a narrower one the median of the faulty
 run's own steps at that width (within one generation, between consecutive steps). Steps lost
 (ours: replayed steps; Ray Train: steps re-run after restarts; TorchFT: step attempts not committed),
-time lost per failure = (faulty wall - fault-free wall) / faults fired, final loss vs fault-free.
+time lost per failure = (faulty wall - that fault-free time of its steps) / faults fired (so it
+agrees with ETTR; a plain wall difference would count narrower, cheaper steps as time won), final
+loss vs fault-free.
 Run: .venv/bin/python -m tests.benchmarks.goodput_bench [--seed N] [--steps N] [--only ARM ...]
 (`make bench` runs it with the defaults through tests.benchmarks.run_all.)
 """

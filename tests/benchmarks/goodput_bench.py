@@ -114,6 +114,9 @@ class Outcome:
         return self.steps[-1][2]
 
 
+Arm = tuple[Outcome, Outcome, str]  # (fault-free, faulty, note)
+
+
 class Injector:
     """Fires the schedule at one run: `pids()` -> {rank: pid} of its live ranks; `kill_node()` / `node_back()`."""
 
@@ -170,6 +173,11 @@ class Injector:
         for pid in self.stopped:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def projected_ettr(lost_per_fault_s: float, mean_gap_s: float = MEAN_GAP_S) -> float:
+    """ETTR at one fault per `mean_gap_s` if each costs `lost_per_fault_s` (what the run measured)."""
+    return max(0.0, 1.0 - lost_per_fault_s / mean_gap_s)
 
 
 def _wall(steps: list[tuple[int, float, float]]) -> float:
@@ -397,6 +405,82 @@ def _set_steps(steps: int) -> None:
     TRAINING["steps"] = steps
 
 
+def measure(names: list[str], faults: list[Fault], tmp: Path | None = None) -> tuple[dict[str, Arm], dict[str, str]]:
+    """Each named arm fault-free, then under `faults`, on one private 2-node LocalCluster. Returns the
+    arms that ran ({name: (fault-free, faulty, note)}) and why the others did not. Progress is printed.
+    `tmp`: keep each run's folder there (else a temporary one)."""
+    from service.local_cluster import LocalCluster
+
+    res: dict[str, Arm] = {}
+    why: dict[str, str] = {}  # arms that did not run, and why
+    with tempfile.TemporaryDirectory(prefix="goodput_bench_") as d, \
+            LocalCluster(head_cpus=NODE_CPUS, object_store_mb=300) as cluster:  # fmt: skip
+        root = tmp or Path(d)
+        cluster.add_node("b", num_cpus=NODE_CPUS)
+        cluster.connect()
+        # (run dir, faults, the arm's fault-free outcome or None) -> (outcome, note)
+        runners = {"unbroken": lambda p, f, _: (run_ours(p, cluster, f), ""),
+                   "unbroken+spare": lambda p, f, _: (run_ours(p, cluster, f, spares=1), "spares: 1"),
+                   "raytrain": lambda p, f, free: (run_raytrain(p, cluster, f, _raytrain_cap(free)), ""),
+                   "torchft": lambda p, f, _: run_torchft(p, f, TORCHFT_TIMEOUTS)}
+        for name in names:
+            try:
+                free, note = runners[name](root / f"{name}-free", [], None)
+                print(f"  {name}: fault-free {free.wall_s:.1f}s (load average {os.getloadavg()[0]:.1f})", flush=True)
+                faulty, _ = runners[name](root / f"{name}-faulty", faults, free)
+                res[name] = (free, faulty, note)
+                print(f"  {name}: faulty {faulty.wall_s:.1f}s (load average {os.getloadavg()[0]:.1f}); fired: "
+                      f"{'; '.join(faulty.fired)}", flush=True)
+                for line in faulty.detail:
+                    print(f"    {line[:300]}", flush=True)
+            except Exception as e:  # noqa: BLE001 - still print the others
+                why[name] = f"{type(e).__name__}: {str(e)[:2500]}"
+                print(f"  {name} failed: {why[name]}", flush=True)
+    return res, why
+
+
+def ettr_of(free: Outcome, faulty: Outcome) -> tuple[float, float, dict[int, float]]:
+    """(ETTR, time lost per fault fired, the step time used per width) of one arm."""
+    productive, per = productive_s(free, faulty)
+    return productive / faulty.wall_s, (faulty.wall_s - productive) / max(1, len(faulty.fired)), per
+
+
+def report(res: dict[str, Arm], why: dict[str, str], faults: list[Fault]) -> dict[str, str]:
+    """Print the table and its last line (`goodput: ...`); returns {arm: ETTR as printed}."""
+    print(f"load average {os.getloadavg()[0]:.1f} at the end")
+    print(f"{'':<16}{'ETTR':>6}{'faults':>8}{'gap s':>7}{'ETTR@gap':>10}{'steps lost':>12}{'s lost/fault':>14}"
+          f"{'final loss':>12}{'fault-free':>12}{'wall s':>9}{'free s':>8}  note")
+    ettr: dict[str, str] = {}
+    for name, (free, faulty, note) in res.items():
+        n = max(1, len(faulty.fired))
+        # The fault-free time of the work the faulty run got done (all of it, unless it hit the cap),
+        # each step at the width it ran at.
+        e, per_fault, per = ettr_of(free, faulty)
+        if len(per) > 1:
+            note = (f"{note}; step s by width: "
+                    + ", ".join(f"{w}: {t:.3f}" for w, t in sorted(per.items(), reverse=True))).lstrip("; ")
+        ettr[name] = f"{e:.2f}"
+        if faulty.stopped:
+            note = f"{note}; {faulty.stopped}: ETTR = fault-free time of the steps done / elapsed".lstrip("; ")
+        print(f"{name:<16}{e:>6.2f}{len(faulty.fired):>8}{faulty.wall_s / n:>7.1f}"
+              f"{projected_ettr(per_fault):>10.2f}{faulty.lost_steps:>12}"
+              f"{per_fault:>14.2f}{faulty.final_loss:>12.4f}{free.final_loss:>12.4f}"
+              f"{faulty.wall_s:>9.1f}{free.wall_s:>8.1f}  {note}")
+    for name, reason in why.items():
+        print(f"{name:<16}{'n/a':>6}  {reason[:300]}")
+    print(f"gap s: the faulty run's wall per fault fired, the failure rate it met (the schedule's first faults "
+          f"come {', '.join(f'{f.at_s:.0f}' for f in faults[:3])} s in; its mean gap is {MEAN_GAP_S:.0f} s). "
+          f"ETTR@gap is a PROJECTION, not a measurement: 1 - s lost per fault / {MEAN_GAP_S:.0f} s, this run's cost "
+          "of a fault at the schedule's mean rate (a run as short as the fault-free one meets fewer, denser faults)")
+    for name, (free, faulty, _) in res.items():
+        if faulty.wall_s < free.wall_s:  # say so: the width-weighted ETTR above is the one to read
+            print(f"note: {name}'s faulty run took less time than its fault-free one: with fewer ranks than "
+                  f"{WORLD} sharing {os.cpu_count()} cores (ours: a shrunk dp, see its steps by dp; TorchFT: "
+                  "dropped replicas' shards) a step is cheaper here; its ETTR counts each step at its width")
+    print("goodput: " + ", ".join(f"{name} {ettr.get(name, 'n/a')}" for name in ARMS))
+    return ettr
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seed", type=int, default=2026)
@@ -406,64 +490,12 @@ def main(argv: list[str] | None = None) -> None:
                     help="keep each run's folder (metrics.jsonl, events) under this folder, for a closer look")
     args = ap.parse_args([] if argv is None else argv)
     _set_steps(args.steps)
-    from service.local_cluster import LocalCluster
-
     faults = schedule(args.seed)
     print(f"load average {os.getloadavg()[0]:.1f} at start")
     print(f"{STEPS} steps, 4 ranks on a 2-node LocalCluster ({os.cpu_count()} cores); faults (seed {args.seed}, "
           f"mean gap {MEAN_GAP_S:.0f}s): " + ", ".join(f"{f.at_s:.0f}s {f.kind}@{f.rank}" for f in faults[:8]) + " ...")
-    res: dict[str, tuple[Outcome, Outcome, str]] = {}
-    why: dict[str, str] = {}  # arms that did not run, and why
-    with tempfile.TemporaryDirectory(prefix="goodput_bench_") as d, \
-            LocalCluster(head_cpus=NODE_CPUS, object_store_mb=300) as cluster:  # fmt: skip
-        tmp = args.keep or Path(d)
-        cluster.add_node("b", num_cpus=NODE_CPUS)
-        cluster.connect()
-        # (run dir, faults, the arm's fault-free outcome or None) -> (outcome, note)
-        runners = {"unbroken": lambda p, f, _: (run_ours(p, cluster, f), ""),
-                   "unbroken+spare": lambda p, f, _: (run_ours(p, cluster, f, spares=1), "spares: 1"),
-                   "raytrain": lambda p, f, free: (run_raytrain(p, cluster, f, _raytrain_cap(free)), ""),
-                   "torchft": lambda p, f, _: run_torchft(p, f, TORCHFT_TIMEOUTS)}
-        for name in args.only:
-            try:
-                free, note = runners[name](tmp / f"{name}-free", [], None)
-                print(f"  {name}: fault-free {free.wall_s:.1f}s (load average {os.getloadavg()[0]:.1f})", flush=True)
-                faulty, _ = runners[name](tmp / f"{name}-faulty", faults, free)
-                res[name] = (free, faulty, note)
-                print(f"  {name}: faulty {faulty.wall_s:.1f}s (load average {os.getloadavg()[0]:.1f}); fired: "
-                      f"{'; '.join(faulty.fired)}", flush=True)
-                for line in faulty.detail:
-                    print(f"    {line[:300]}", flush=True)
-            except Exception as e:  # noqa: BLE001 - still print the others
-                why[name] = f"{type(e).__name__}: {str(e)[:2500]}"
-                print(f"  {name} failed: {why[name]}", flush=True)
-    print(f"load average {os.getloadavg()[0]:.1f} at the end")
-    print(f"{'':<16}{'ETTR':>6}{'faults':>8}{'steps lost':>12}{'s lost/fault':>14}{'final loss':>12}"
-          f"{'fault-free':>12}{'wall s':>9}{'free s':>8}  note")
-    ettr: dict[str, str] = {}
-    for name, (free, faulty, note) in res.items():
-        n = max(1, len(faulty.fired))
-        # The fault-free time of the work the faulty run got done (all of it, unless it hit the cap),
-        # each step at the width it ran at.
-        productive, per = productive_s(free, faulty)
-        if len(per) > 1:
-            note = (f"{note}; step s by width: "
-                    + ", ".join(f"{w}: {t:.3f}" for w, t in sorted(per.items(), reverse=True))).lstrip("; ")
-        e = productive / faulty.wall_s
-        ettr[name] = f"{e:.2f}"
-        if faulty.stopped:
-            note = f"{note}; {faulty.stopped}: ETTR = fault-free time of the steps done / elapsed".lstrip("; ")
-        print(f"{name:<16}{e:>6.2f}{len(faulty.fired):>8}{faulty.lost_steps:>12}"
-              f"{(faulty.wall_s - productive) / n:>14.2f}{faulty.final_loss:>12.4f}{free.final_loss:>12.4f}"
-              f"{faulty.wall_s:>9.1f}{free.wall_s:>8.1f}  {note}")
-    for name, reason in why.items():
-        print(f"{name:<16}{'n/a':>6}  {reason[:300]}")
-    for name, (free, faulty, _) in res.items():
-        if faulty.wall_s < free.wall_s:  # say so: the width-weighted ETTR above is the one to read
-            print(f"note: {name}'s faulty run took less time than its fault-free one: with fewer ranks than "
-                  f"{WORLD} sharing {os.cpu_count()} cores (ours: a shrunk dp, see its steps by dp; TorchFT: "
-                  "dropped replicas' shards) a step is cheaper here; its ETTR counts each step at its width")
-    print("goodput: " + ", ".join(f"{name} {ettr.get(name, 'n/a')}" for name in ARMS))
+    res, why = measure(args.only, faults, args.keep)
+    report(res, why, faults)
 
 
 if __name__ == "__main__":

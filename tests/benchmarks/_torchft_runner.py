@@ -83,7 +83,7 @@ def replica(cfg: dict[str, Any]) -> None:
     wrapped = OptimizerWrapper(manager, opt)
     ready = Path(cfg["ready_dir"])
     (ready / str(rid)).write_text("1")
-    while cfg["first"] and len(list(ready.iterdir())) < world:  # the first start: all four at once
+    while cfg["first"] and len(list(ready.iterdir())) < cfg["replicas"]:  # the first start: all at once
         time.sleep(0.05)
     with open(cfg["log"], "a") as log:
         while manager.current_step() < steps:
@@ -119,19 +119,22 @@ def replica(cfg: dict[str, Any]) -> None:
 class _Fleet:
     """The replica processes and their restarter (torchelastic's role)."""
 
-    def __init__(self, tmp: Path, lighthouse: str, timeout_s: float) -> None:
+    def __init__(self, tmp: Path, lighthouse: str, timeout_s: float, replicas: int | None = None) -> None:
+        """`replicas`: how many replica groups (replicas 0..n-1, each still its shard of WORLD's data: a
+        fault-free run at the width a faulty run dropped to); WORLD by default."""
         from tests.benchmarks.goodput_bench import HB_TIMEOUT_S, NODE_BACK_S, STEPS, WORLD
 
         self.tmp, self.world, self.steps, self.hb_timeout, self.node_back = tmp, WORLD, STEPS, HB_TIMEOUT_S, NODE_BACK_S
         (tmp / "ready").mkdir(parents=True)
-        self.base = {"world": WORLD, "steps": STEPS, "timeout_s": timeout_s, "lighthouse": lighthouse,
+        replicas = WORLD if replicas is None else replicas
+        self.base = {"world": WORLD, "replicas": replicas, "steps": STEPS, "timeout_s": timeout_s, "lighthouse": lighthouse,
                      "engine": _engine(), "ready_dir": str(tmp / "ready")}
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.down_until: dict[int, float] = {}  # replica -> its "node" returns then
         self.restarts = 0
         self.tick: Any = None  # the injector's main-thread tick
         self.lock = threading.Lock()
-        for r in range(WORLD):
+        for r in range(replicas):
             self._start(r, first=True)
 
     def _start(self, r: int, first: bool = False) -> None:
@@ -250,12 +253,12 @@ def _outcome(tmp: Path, fired: list[str]) -> Any:
     return Outcome(steps[-1][1] - steps[0][1], steps, lost, fired, widths=widths)
 
 
-def _run_once(tmp: Path, faults: list[Any], timeout_s: float) -> tuple[Any, int]:
+def _run_once(tmp: Path, faults: list[Any], timeout_s: float, replicas: int | None = None) -> tuple[Any, int]:
     from tests.benchmarks.goodput_bench import Injector
 
     tmp.mkdir(parents=True)
     lh = _Lighthouse(tmp / "lighthouse.log")
-    fleet = _Fleet(tmp, lh.address, timeout_s)
+    fleet = _Fleet(tmp, lh.address, timeout_s, replicas)
 
     def first_step() -> float | None:
         f = tmp / "r0.jsonl"
@@ -287,6 +290,13 @@ def run_torchft(tmp: Path, faults: list[Any], timeouts: tuple[float, ...]) -> tu
     assert _best_timeout is not None, "run the fault-free calibration first"
     out, restarts = _run_once(tmp, faults, _best_timeout)
     return out, f"gloo timeout {_best_timeout:g}s, {restarts} restarts"
+
+
+def run_torchft_width(tmp: Path, replicas: int) -> Any:
+    """Fault-free with `replicas` replica groups (at the timeout the calibration chose): the step time
+    at the width a faulty run dropped to."""
+    assert _best_timeout is not None, "run the fault-free calibration first"
+    return _run_once(tmp, [], _best_timeout, replicas)[0]
 
 
 if __name__ == "__main__":

@@ -32,8 +32,11 @@ gaps, mean MEAN_GAP_S, counted from the run's first step):
 Per framework: ETTR = the fault-free time of the faulty run's steps / its wall (first to last completed
 step). A step's fault-free time depends on how many ranks did it: on 2 cores, 3 ranks step faster than 4
 (ours after a shrink; TorchFT after dropping a replica). So each step counts at its width: the
-fault-free run's mean step time at the full width, and at a narrower one the median of the faulty
-run's own steps at that width (within one generation, between consecutive steps). Steps lost
+fault-free run's mean step time at the full width, and at each narrower width the faulty run did 3 steps
+or more at, the mean of a fault-free run held at that width (ours: resources.dp fixed there; TorchFT:
+that many replica groups, each its usual data shard), run after the faulty one. (Before 2026-11-28 the
+narrower widths were timed by the faulty run's own steps there, which counted the slowdown beside
+replacement workers' start-up as work; the table says where that fallback is still used.) Steps lost
 (ours: replayed steps; Ray Train: steps re-run after restarts; TorchFT: step attempts not committed),
 time lost per failure = (faulty wall - that fault-free time of its steps) / faults fired (so it
 agrees with ETTR; a plain wall difference would count narrower, cheaper steps as time won), final
@@ -114,7 +117,12 @@ class Outcome:
         return self.steps[-1][2]
 
 
-Arm = tuple[Outcome, Outcome, str]  # (fault-free, faulty, note)
+@dataclass
+class Arm:
+    free: Outcome
+    faulty: Outcome
+    note: str
+    at_width: dict[int, float] = field(default_factory=dict)  # fault-free step s of runs held at a narrower width
 
 
 class Injector:
@@ -184,30 +192,49 @@ def _wall(steps: list[tuple[int, float, float]]) -> float:
     return steps[-1][1] - steps[0][1]
 
 
-def productive_s(free: Outcome, faulty: Outcome) -> tuple[float, dict[int, float]]:
-    """The fault-free time of the faulty run's steps, each at the width it ran at, and the step time
-    used per width: the fault-free run's mean at WORLD; below it, the median interval of the faulty
-    run's consecutive steps of one generation at that width (no recovery inside), else WORLD's."""
-    full = _wall(free.steps) / max(1, len(free.steps) - 1)
+def step_s(free: Outcome) -> float:
+    """A fault-free run's mean step time."""
+    return _wall(free.steps) / max(1, len(free.steps) - 1)
+
+
+def narrower_widths(faulty: Outcome) -> list[int]:
+    """The widths below WORLD the faulty run did at least 3 steps at (each gets a fault-free run)."""
+    counts = Counter(w for w, _ in faulty.widths or [])
+    return sorted(w for w, n in counts.items() if w < WORLD and n >= 3)
+
+
+def productive_s(free: Outcome, faulty: Outcome, at_width: dict[int, float] | None = None,
+                 ) -> tuple[float, dict[int, float], list[int]]:  # fmt: skip
+    """The fault-free time of the faulty run's steps, each at the width it ran at; the step time used
+    per width; and the widths whose time came from the faulty run itself. Per width: the fault-free
+    run's mean at WORLD; below it, the mean of a fault-free run held at that width (`at_width`), else
+    (no such run) the median interval of the faulty run's consecutive steps of one generation at that
+    width, which counts the slowdown that replacement workers' start-up causes there as work."""
+    full = step_s(free)
+    at_width = at_width or {}
     widths = faulty.widths or [(WORLD, 0)] * len(faulty.steps)
     gaps: dict[int, list[float]] = {}
     pairs = zip(faulty.steps[:-1], faulty.steps[1:], widths[:-1], widths[1:], strict=True)
     for (s0, t0, _), (s1, t1, _), w0, w1 in pairs:
         if s1 == s0 + 1 and w0 == w1:
             gaps.setdefault(w1[0], []).append(t1 - t0)
-    per = {w: statistics.median(g) for w, g in gaps.items() if w != WORLD and len(g) >= 3}
+    per = {w: statistics.median(g) for w, g in gaps.items() if w != WORLD and len(g) >= 3 and w not in at_width}
+    from_faulty = sorted(per)
+    per.update(at_width)
     per[WORLD] = full
-    return sum(per.get(w[0], full) for w in widths[1:]), per
+    return sum(per.get(w[0], full) for w in widths[1:]), per, from_faulty
 
 
 # ---------------------------------------------------------------------------- unbroken
-def _ours_spec(out: Path, spares: int = 0) -> Any:
+def _ours_spec(out: Path, spares: int = 0, dp: int | None = None) -> Any:
+    """The job; `dp`: held at that width (a fault-free run at a narrower width), else elastic 1..WORLD."""
     from service.spec import parse_spec
 
     return parse_spec({
         "name": "goodput", "model": MODEL, "training": {**TRAINING, "output_dir": str(out)},
         "parallelism": {"dp_shard": WORLD},
-        "resources": {"cpus_per_worker": RANK_CPUS, "dp": {"min": 1, "max": WORLD}, "spares": spares},
+        "resources": {"cpus_per_worker": RANK_CPUS, "dp": {"min": dp or 1, "max": dp or WORLD},
+                      "spares": spares},
         "checkpoint": {"persist_every": 0, "in_memory_every": 1},
         "fault_tolerance": {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": HB_TIMEOUT_S,
                             "collective_timeout_s": COLLECTIVE_TIMEOUT_S, "wait_for_capacity_s": 60,
@@ -215,10 +242,10 @@ def _ours_spec(out: Path, spares: int = 0) -> Any:
     })  # fmt: skip
 
 
-def run_ours(tmp: Path, cluster: Any, faults: list[Fault], spares: int = 0) -> Outcome:
+def run_ours(tmp: Path, cluster: Any, faults: list[Fault], spares: int = 0, dp: int | None = None) -> Outcome:
     from tests.runtime.jobs import JobRun, worker_infos
 
-    run = JobRun(_ours_spec(tmp, spares))
+    run = JobRun(_ours_spec(tmp, spares, dp))
     metrics = tmp / "metrics.jsonl"
 
     def first_step() -> float | None:
@@ -395,7 +422,7 @@ def _raytrain_cap(free: Outcome | None) -> float | None:
 
 
 # ---------------------------------------------------------------------------- TorchFT
-from tests.benchmarks._torchft_runner import run_torchft  # noqa: E402
+from tests.benchmarks._torchft_runner import run_torchft, run_torchft_width  # noqa: E402
 
 
 # ---------------------------------------------------------------------------- report
@@ -419,6 +446,12 @@ def measure(names: list[str], faults: list[Fault], tmp: Path | None = None) -> t
         cluster.add_node("b", num_cpus=NODE_CPUS)
         cluster.connect()
         # (run dir, faults, the arm's fault-free outcome or None) -> (outcome, note)
+        at_width = {  # (run dir, width) -> a fault-free outcome at that width; ours with and without spares share them
+            "unbroken": lambda p, w: run_ours(p, cluster, [], dp=w),
+            "torchft": lambda p, w: run_torchft_width(p, w),
+        }
+        family = {"unbroken": "unbroken", "unbroken+spare": "unbroken", "torchft": "torchft"}
+        measured: dict[tuple[str, int], float] = {}
         runners = {"unbroken": lambda p, f, _: (run_ours(p, cluster, f), ""),
                    "unbroken+spare": lambda p, f, _: (run_ours(p, cluster, f, spares=1), "spares: 1"),
                    "raytrain": lambda p, f, free: (run_raytrain(p, cluster, f, _raytrain_cap(free)), ""),
@@ -428,21 +461,29 @@ def measure(names: list[str], faults: list[Fault], tmp: Path | None = None) -> t
                 free, note = runners[name](root / f"{name}-free", [], None)
                 print(f"  {name}: fault-free {free.wall_s:.1f}s (load average {os.getloadavg()[0]:.1f})", flush=True)
                 faulty, _ = runners[name](root / f"{name}-faulty", faults, free)
-                res[name] = (free, faulty, note)
                 print(f"  {name}: faulty {faulty.wall_s:.1f}s (load average {os.getloadavg()[0]:.1f}); fired: "
                       f"{'; '.join(faulty.fired)}", flush=True)
                 for line in faulty.detail:
                     print(f"    {line[:300]}", flush=True)
+                arm = res[name] = Arm(free, faulty, note)
+                fam = family.get(name)
+                for w in narrower_widths(faulty) if fam else []:
+                    if (fam, w) not in measured:
+                        measured[fam, w] = step_s(at_width[fam](root / f"{fam}-free-w{w}", w))
+                        print(f"  {fam}: fault-free at width {w}: {measured[fam, w]:.3f}s a step", flush=True)
+                    arm.at_width[w] = measured[fam, w]
             except Exception as e:  # noqa: BLE001 - still print the others
                 why[name] = f"{type(e).__name__}: {str(e)[:2500]}"
                 print(f"  {name} failed: {why[name]}", flush=True)
     return res, why
 
 
-def ettr_of(free: Outcome, faulty: Outcome) -> tuple[float, float, dict[int, float]]:
-    """(ETTR, time lost per fault fired, the step time used per width) of one arm."""
-    productive, per = productive_s(free, faulty)
-    return productive / faulty.wall_s, (faulty.wall_s - productive) / max(1, len(faulty.fired)), per
+def ettr_of(arm: Arm) -> tuple[float, float, dict[int, float], list[int]]:
+    """(ETTR, time lost per fault fired, the step time used per width, the widths timed from the
+    faulty run itself) of one arm."""
+    productive, per, from_faulty = productive_s(arm.free, arm.faulty, arm.at_width)
+    faulty = arm.faulty
+    return productive / faulty.wall_s, (faulty.wall_s - productive) / max(1, len(faulty.fired)), per, from_faulty
 
 
 def report(res: dict[str, Arm], why: dict[str, str], faults: list[Fault]) -> dict[str, str]:
@@ -451,14 +492,16 @@ def report(res: dict[str, Arm], why: dict[str, str], faults: list[Fault]) -> dic
     print(f"{'':<16}{'ETTR':>6}{'faults':>8}{'gap s':>7}{'ETTR@gap':>10}{'steps lost':>12}{'s lost/fault':>14}"
           f"{'final loss':>12}{'fault-free':>12}{'wall s':>9}{'free s':>8}  note")
     ettr: dict[str, str] = {}
-    for name, (free, faulty, note) in res.items():
+    for name, arm in res.items():
+        free, faulty, note = arm.free, arm.faulty, arm.note
         n = max(1, len(faulty.fired))
         # The fault-free time of the work the faulty run got done (all of it, unless it hit the cap),
         # each step at the width it ran at.
-        e, per_fault, per = ettr_of(free, faulty)
+        e, per_fault, per, from_faulty = ettr_of(arm)
         if len(per) > 1:
-            note = (f"{note}; step s by width: "
-                    + ", ".join(f"{w}: {t:.3f}" for w, t in sorted(per.items(), reverse=True))).lstrip("; ")
+            note = (f"{note}; fault-free step s by width: " + ", ".join(
+                f"{w}: {t:.3f}" + (" (faulty run's median: no fault-free run)" if w in from_faulty else "")
+                for w, t in sorted(per.items(), reverse=True))).lstrip("; ")
         ettr[name] = f"{e:.2f}"
         if faulty.stopped:
             note = f"{note}; {faulty.stopped}: ETTR = fault-free time of the steps done / elapsed".lstrip("; ")
@@ -472,7 +515,8 @@ def report(res: dict[str, Arm], why: dict[str, str], faults: list[Fault]) -> dic
           f"come {', '.join(f'{f.at_s:.0f}' for f in faults[:3])} s in; its mean gap is {MEAN_GAP_S:.0f} s). "
           f"ETTR@gap is a PROJECTION, not a measurement: 1 - s lost per fault / {MEAN_GAP_S:.0f} s, this run's cost "
           "of a fault at the schedule's mean rate (a run as short as the fault-free one meets fewer, denser faults)")
-    for name, (free, faulty, _) in res.items():
+    for name, arm in res.items():
+        free, faulty = arm.free, arm.faulty
         if faulty.wall_s < free.wall_s:  # say so: the width-weighted ETTR above is the one to read
             print(f"note: {name}'s faulty run took less time than its fault-free one: with fewer ranks than "
                   f"{WORLD} sharing {os.cpu_count()} cores (ours: a shrunk dp, see its steps by dp; TorchFT: "

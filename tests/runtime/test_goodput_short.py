@@ -1,12 +1,13 @@
 """The goodput benchmark, short: `make bench` runs goodput_bench with 300 steps and four arms; this runs
-its own code for our arm without spares on a 150-step job, under the benchmark's seeded schedule (seed
+its own code for our arm without spares on a 100-step job, under the benchmark's seeded schedule (seed
 2026: a hung rank 3 s after the first step, a SIGKILLed rank at 8 s, node b lost at 10 s and back 10 s
 later), on the benchmark's private 2-node LocalCluster, faults fired from outside as there.
 
-The job lasts well past its first fault on any machine (150 steps), so at least one fault always
+The job lasts well past its first fault on any machine (100 steps), so at least one fault always
 lands; which of the later ones land depends on the machine's speed. Whatever landed, the job must end
 with every step done once and the fault-free run's losses (1e-4), and the benchmark's report must
-print its table and its last line. No figure is asserted: ETTR is the benchmark's to print.
+print its table and its last line; each narrower width the job shrank to gets its fault-free run. No
+figure is asserted: ETTR is the benchmark's to print.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 
 from tests.benchmarks import goodput_bench as gb
 
-STEPS = 150
+STEPS = 100
 
 
 @pytest.mark.slow
@@ -34,7 +35,8 @@ def test_goodput_short(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     out = capsys.readouterr().out
     print(out)
     assert not why, why
-    free, faulty, _ = res["unbroken"]
+    arm = res["unbroken"]
+    free, faulty = arm.free, arm.faulty
     assert faulty.fired, f"no fault landed in a {faulty.wall_s:.1f}s run: {out[-2000:]}"
     assert any(line.startswith("recovered:") for line in faulty.detail), faulty.detail
     for outcome in (free, faulty):
@@ -42,4 +44,6 @@ def test_goodput_short(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     worst = max(abs(a - b) for (_, _, a), (_, _, b) in zip(faulty.steps, free.steps, strict=True))
     assert worst <= 1e-4, f"losses differ from the fault-free run by up to {worst:.2e}"
     assert float(ettr["unbroken"]) > 0
+    # every narrower width it trained at was timed by a fault-free run held at that width
+    assert sorted(arm.at_width) == gb.narrower_widths(faulty)
     assert out.rstrip().splitlines()[-1].startswith(f"goodput: unbroken {ettr['unbroken']}, ")

@@ -201,19 +201,22 @@ def _sigterm_a_worker(cluster: RayStartCluster, client: Any, job_id: str) -> Non
 def _lose_a_pod(tmp: Path, cluster: RayStartCluster, client: Any) -> None:
     """A 4-worker job on both pods; at step 4 the pod the supervisor is not on is deleted (every process of
     it SIGKILLed, its raylet and keeper with it). The job goes on at dp 2 on the other pod from the keepers'
-    memory, replays at most one step and keeps one process's losses."""
-    slow = [{"kind": "slow_worker", "step": 0, "rank": 0, "seconds": 0.4}]  # time to act mid-job
-    job = client.submit(job_spec("pod-lost", slow))
-    deadline = time.monotonic() + 300
-    while not any(r["step"] >= 4 for r in client.metrics(job.id)):
-        status = client.get(job.id).status
-        assert status in ("PENDING", "RUNNING") and time.monotonic() < deadline, status
-        time.sleep(0.2)
+    memory, replaying at most one step. Then a new pod joins, as KubeRay's operator starts one in the lost
+    one's place: the job's keeper and node agent start there as soon as a replica is ready on it, before
+    the group grows back onto it, and the job trains at dp 4 again. One process's losses throughout."""
+    job = client.submit(job_spec("pod-lost", paced(4, PACE_S), steps=LONG))  # (time to act mid-job)
+    until(lambda: any(r["step"] >= 4 for r in client.metrics(job.id)), 300, "step 4")
     lost = [n for n in cluster.node_sids if n not in cluster.nodes_running("Supervisor")]
     assert len(lost) == 1, (lost, cluster.node_sids)
     cluster.kill_node(lost[0])
-    done = client.wait(job.id, timeout=420)
-    assert done.status == "SUCCEEDED", done
+    until(lambda: any(e.kind == "recovered" for e in client.events(job.id, follow=False)), 300, "the recovery")
+    cluster.add_node("pod-c", num_cpus=2, params=manifest_start_params()[1])
+    grown = until(lambda: [e for e in client.events(job.id, follow=False)
+                           if e.kind == "resized" and (e.data or {}).get("new_dp") == 4], 300,
+                  "the job grown back to dp 4 on the new pod")[0]
+    until(lambda: any(r["step"] > grown.data["step"] + 2 for r in client.metrics(job.id)), 120, "steps at dp 4")
+    client.cancel(job.id)
+    assert client.wait(job.id, timeout=120, raise_on_failure=False).status == "CANCELLED"
     events = list(client.events(job.id, follow=False))
     failures = [e for e in events if e.kind == "failure_detected"]
     assert len(failures) == 1 and (failures[0].data or {}).get("kind") == "node_died", \
@@ -223,10 +226,21 @@ def _lose_a_pod(tmp: Path, cluster: RayStartCluster, client: Any) -> None:
     data = recovered[0].data or {}
     print(f"\npod lost: {failures[0].message} {recovered[0].message}")
     assert data["lost_steps"] <= 1 and data["source"] == ["keepers"], recovered[0].message  # as above
+    # The new pod's node: in the grown generation, in none before the loss; its helpers answered first.
+    gens = [e.data for e in events if e.kind == "generation" and e.data]
+    new_nodes = set(gens[-1]["nodes"]) - {n for g in gens[:2] for n in g["nodes"]}
+    assert len(new_nodes) == 1, gens
+    # (helpers_late: started ahead, and the grow stopped waiting for them after AHEAD_WAIT_S on a loaded machine)
+    ahead = [e for e in events if e.kind in ("helpers_ready", "helpers_late") and (e.data or {}).get("node") in new_nodes]
+    first_grow = min(e.ts for e in events if e.kind == "resized" and (e.data or {}).get("cause") == "growth")
+    assert len(ahead) == 1 and ahead[0].ts < first_grow, [(e.kind, e.message) for e in events]
+    assert "agents_missing" not in [e.kind for e in events]
+    print(f"new pod: {ahead[0].message} {grown.message}")
     rows = client.metrics(job.id)
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-    assert rows[0]["dp"] == 4 and rows[-1]["dp"] == 2, [r["dp"] for r in rows]
-    assert [r["loss"] for r in rows] == pytest.approx(reference_losses(tmp / "pod-lost"), abs=1e-4)
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+    dps = [r["dp"] for r in rows]
+    assert dps[0] == 4 and 2 in dps and dps[-1] == 4, dps
+    assert [r["loss"] for r in rows] == pytest.approx(reference_losses(tmp / "pod-lost", steps=len(rows)), abs=1e-4)
 
 
 def _check_spare_swap(events: list[Any], data: dict[str, Any]) -> None:

@@ -32,11 +32,11 @@ gaps, mean MEAN_GAP_S, counted from the run's first step):
 Per framework: ETTR = the fault-free time of the faulty run's steps / its wall (first to last completed
 step). A step's fault-free time depends on how many ranks did it: on 2 cores, 3 ranks step faster than 4
 (ours after a shrink; TorchFT after dropping a replica). So each step counts at its width: the
-fault-free run's mean step time at the full width, and at each narrower width the faulty run did 3 steps
-or more at, the mean of a fault-free run held at that width (ours: resources.dp fixed there; TorchFT:
-that many replica groups, each its usual data shard), run after the faulty one. (Before 2026-11-28 the
-narrower widths were timed by the faulty run's own steps there, which counted the slowdown beside
-replacement workers' start-up as work; the table says where that fallback is still used.) Steps lost
+fault-free run's mean step time at the full width, and at each narrower width the faulty run did steps
+at, the mean of a fault-free run held at that width (ours: resources.dp fixed there; TorchFT: that many
+replica groups, each its usual data shard), run after the faulty one. (Before 2026-11-28 the narrower
+widths were timed by the faulty run's own steps there, which counted the slowdown beside replacement
+workers' start-up as work.) Steps lost
 (ours: replayed steps; Ray Train: steps re-run after restarts; TorchFT: step attempts not committed),
 time lost per failure = (faulty wall - that fault-free time of its steps) / faults fired (so it
 agrees with ETTR; a plain wall difference would count narrower, cheaper steps as time won), final
@@ -53,7 +53,6 @@ import json
 import os
 import random
 import signal
-import statistics
 import tempfile
 import threading
 import time
@@ -198,31 +197,16 @@ def step_s(free: Outcome) -> float:
 
 
 def narrower_widths(faulty: Outcome) -> list[int]:
-    """The widths below WORLD the faulty run did at least 3 steps at (each gets a fault-free run)."""
-    counts = Counter(w for w, _ in faulty.widths or [])
-    return sorted(w for w, n in counts.items() if w < WORLD and n >= 3)
+    """The widths below WORLD the faulty run did steps at (each gets a fault-free run held there)."""
+    return sorted({w for w, _ in faulty.widths or [] if w < WORLD})
 
 
-def productive_s(free: Outcome, faulty: Outcome, at_width: dict[int, float] | None = None,
-                 ) -> tuple[float, dict[int, float], list[int]]:  # fmt: skip
-    """The fault-free time of the faulty run's steps, each at the width it ran at; the step time used
-    per width; and the widths whose time came from the faulty run itself. Per width: the fault-free
-    run's mean at WORLD; below it, the mean of a fault-free run held at that width (`at_width`), else
-    (no such run) the median interval of the faulty run's consecutive steps of one generation at that
-    width, which counts the slowdown that replacement workers' start-up causes there as work."""
-    full = step_s(free)
-    at_width = at_width or {}
-    widths = faulty.widths or [(WORLD, 0)] * len(faulty.steps)
-    gaps: dict[int, list[float]] = {}
-    pairs = zip(faulty.steps[:-1], faulty.steps[1:], widths[:-1], widths[1:], strict=True)
-    for (s0, t0, _), (s1, t1, _), w0, w1 in pairs:
-        if s1 == s0 + 1 and w0 == w1:
-            gaps.setdefault(w1[0], []).append(t1 - t0)
-    per = {w: statistics.median(g) for w, g in gaps.items() if w != WORLD and len(g) >= 3 and w not in at_width}
-    from_faulty = sorted(per)
-    per.update(at_width)
-    per[WORLD] = full
-    return sum(per.get(w[0], full) for w in widths[1:]), per, from_faulty
+def productive_s(arm: Arm) -> tuple[float, dict[int, float]]:
+    """The fault-free time of the faulty run's steps, each at the width it ran at, and the step time
+    used per width: the fault-free run's mean at WORLD, a fault-free run's held there below it."""
+    per = {**arm.at_width, WORLD: step_s(arm.free)}
+    widths = arm.faulty.widths or [(WORLD, 0)] * len(arm.faulty.steps)
+    return sum(per[w] for w, _ in widths[1:]), per
 
 
 # ---------------------------------------------------------------------------- unbroken
@@ -434,7 +418,8 @@ def _set_steps(steps: int) -> None:
 
 def measure(names: list[str], faults: list[Fault], tmp: Path | None = None) -> tuple[dict[str, Arm], dict[str, str]]:
     """Each named arm fault-free, then under `faults`, on one private 2-node LocalCluster. Returns the
-    arms that ran ({name: (fault-free, faulty, note)}) and why the others did not. Progress is printed.
+    arms that ran ({name: Arm}, each with its fault-free runs at the narrower widths its faulty run
+    did steps at) and why the others did not. Progress is printed.
     `tmp`: keep each run's folder there (else a temporary one)."""
     from service.local_cluster import LocalCluster
 
@@ -446,12 +431,12 @@ def measure(names: list[str], faults: list[Fault], tmp: Path | None = None) -> t
         cluster.add_node("b", num_cpus=NODE_CPUS)
         cluster.connect()
         # (run dir, faults, the arm's fault-free outcome or None) -> (outcome, note)
-        at_width = {  # (run dir, width) -> a fault-free outcome at that width; ours with and without spares share them
+        held_at = {  # (run dir, width) -> a fault-free outcome held at that width
             "unbroken": lambda p, w: run_ours(p, cluster, [], dp=w),
             "torchft": lambda p, w: run_torchft_width(p, w),
         }
-        family = {"unbroken": "unbroken", "unbroken+spare": "unbroken", "torchft": "torchft"}
-        measured: dict[tuple[str, int], float] = {}
+        family = {"unbroken": "unbroken", "unbroken+spare": "unbroken", "torchft": "torchft"}  # (Ray Train: never narrower)
+        measured: dict[tuple[str, int], float] = {}  # ours with and without spares share them
         runners = {"unbroken": lambda p, f, _: (run_ours(p, cluster, f), ""),
                    "unbroken+spare": lambda p, f, _: (run_ours(p, cluster, f, spares=1), "spares: 1"),
                    "raytrain": lambda p, f, free: (run_raytrain(p, cluster, f, _raytrain_cap(free)), ""),
@@ -465,25 +450,25 @@ def measure(names: list[str], faults: list[Fault], tmp: Path | None = None) -> t
                       f"{'; '.join(faulty.fired)}", flush=True)
                 for line in faulty.detail:
                     print(f"    {line[:300]}", flush=True)
-                arm = res[name] = Arm(free, faulty, note)
+                arm = Arm(free, faulty, note)
                 fam = family.get(name)
                 for w in narrower_widths(faulty) if fam else []:
                     if (fam, w) not in measured:
-                        measured[fam, w] = step_s(at_width[fam](root / f"{fam}-free-w{w}", w))
+                        measured[fam, w] = step_s(held_at[fam](root / f"{fam}-free-w{w}", w))
                         print(f"  {fam}: fault-free at width {w}: {measured[fam, w]:.3f}s a step", flush=True)
                     arm.at_width[w] = measured[fam, w]
+                res[name] = arm  # (only whole: an arm whose width run failed is in `why` alone)
             except Exception as e:  # noqa: BLE001 - still print the others
                 why[name] = f"{type(e).__name__}: {str(e)[:2500]}"
                 print(f"  {name} failed: {why[name]}", flush=True)
     return res, why
 
 
-def ettr_of(arm: Arm) -> tuple[float, float, dict[int, float], list[int]]:
-    """(ETTR, time lost per fault fired, the step time used per width, the widths timed from the
-    faulty run itself) of one arm."""
-    productive, per, from_faulty = productive_s(arm.free, arm.faulty, arm.at_width)
+def ettr_of(arm: Arm) -> tuple[float, float, dict[int, float]]:
+    """(ETTR, time lost per fault fired, the step time used per width) of one arm."""
+    productive, per = productive_s(arm)
     faulty = arm.faulty
-    return productive / faulty.wall_s, (faulty.wall_s - productive) / max(1, len(faulty.fired)), per, from_faulty
+    return productive / faulty.wall_s, (faulty.wall_s - productive) / max(1, len(faulty.fired)), per
 
 
 def report(res: dict[str, Arm], why: dict[str, str], faults: list[Fault]) -> dict[str, str]:
@@ -497,11 +482,10 @@ def report(res: dict[str, Arm], why: dict[str, str], faults: list[Fault]) -> dic
         n = max(1, len(faulty.fired))
         # The fault-free time of the work the faulty run got done (all of it, unless it hit the cap),
         # each step at the width it ran at.
-        e, per_fault, per, from_faulty = ettr_of(arm)
+        e, per_fault, per = ettr_of(arm)
         if len(per) > 1:
-            note = (f"{note}; fault-free step s by width: " + ", ".join(
-                f"{w}: {t:.3f}" + (" (faulty run's median: no fault-free run)" if w in from_faulty else "")
-                for w, t in sorted(per.items(), reverse=True))).lstrip("; ")
+            note = (f"{note}; fault-free step s by width: "
+                    + ", ".join(f"{w}: {t:.3f}" for w, t in sorted(per.items(), reverse=True))).lstrip("; ")
         ettr[name] = f"{e:.2f}"
         if faulty.stopped:
             note = f"{note}; {faulty.stopped}: ETTR = fault-free time of the steps done / elapsed".lstrip("; ")

@@ -1,12 +1,16 @@
 """Goodput under a seeded failure schedule: one 300-step job, run by Unbroken (without and with a spare),
 Ray Train and TorchFT.
 
-Same model (our Llama, dim 64 x 2 layers, byte vocab), same data order (our loader: each of 4 data
+Same model and batches as the demo's job (our Llama, preset debug: dim 128 x 4 layers, byte vocab;
+sequences of 128, 16 a step), same data order (our loader: each of 4 data
 shards per step), same machine and a private 2-node LocalCluster (head + "b", 1 CPU each, which Ray
 wants whole; ranks of 0.33 CPU: three a node, so the 4 ranks fit with room for one more, which only the
 spare arm uses on purpose, and a node loss leaves room for 3). Each framework runs the job
 fault-free, then with faults fired from outside, at times drawn from one seeded schedule (exponential
-gaps, mean MEAN_GAP_S, counted from the run's first step):
+gaps, mean MEAN_GAP_S, counted from the run's first step). The job is the demo's so that its 300 steps last
+long enough to meet that rate: about 90 s fault-free on this VM's 2 cores, in which seed 2026 fires 6
+faults of all four kinds (before 2026-11-29 the job was a dim-64 x 2 model whose 300 steps lasted 15-20 s:
+it met only the schedule's first, dense faults, one every 4-7 s, and never all four kinds):
 
   kill_worker     SIGTERM to the rank's process        sigkill_worker  SIGKILL to it
   hang_worker     SIGSTOP to it (only a heartbeat timeout can tell)
@@ -76,8 +80,8 @@ ARMS = ("unbroken", "unbroken+spare", "torchft", "raytrain")
 TORCHFT_TIMEOUTS = (1.0, 2.0, 5.0)
 RAYTRAIN_CAP_X, RAYTRAIN_START_S = 1.5, 60.0  # Ray Train's faulty run stops past 1.5 x fault-free + 60 s
 RAYTRAIN_GRACE_S = 120.0  # past the cap, the driver waits this long for the ranks to stop, then gives up
-MODEL = {"dim": 64, "n_layers": 2, "n_heads": 4, "vocab_size": 256, "max_seq_len": 64}
-TRAINING = {"steps": STEPS, "seq_len": 32, "global_batch_size": 8, "warmup_steps": 5}
+MODEL: dict[str, Any] = {"preset": "debug", "max_seq_len": 256}  # examples/demo_job.yaml's
+TRAINING: dict[str, Any] = {"steps": STEPS, "seq_len": 128, "global_batch_size": 16, "warmup_steps": 5}
 WORLD = 4
 
 
@@ -410,10 +414,15 @@ from tests.benchmarks._torchft_runner import run_torchft, run_torchft_width  # n
 
 
 # ---------------------------------------------------------------------------- report
-def _set_steps(steps: int) -> None:
+def set_job(steps: int, model: dict[str, Any], seq_len: int, batch: int) -> tuple[int, dict[str, Any], int, int]:
+    """Change the job every arm runs (the short test runs a smaller one); returns the one it replaced."""
     global STEPS
+    before, model = (STEPS, dict(MODEL), TRAINING["seq_len"], TRAINING["global_batch_size"]), dict(model)
     STEPS = steps
-    TRAINING["steps"] = steps
+    MODEL.clear()  # in place: the runners read it by name
+    MODEL.update(model)
+    TRAINING.update(steps=steps, seq_len=seq_len, global_batch_size=batch)
+    return before
 
 
 def measure(names: list[str], faults: list[Fault], tmp: Path | None = None) -> tuple[dict[str, Arm], dict[str, str]]:
@@ -517,10 +526,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--keep", type=Path, default=None,
                     help="keep each run's folder (metrics.jsonl, events) under this folder, for a closer look")
     args = ap.parse_args([] if argv is None else argv)
-    _set_steps(args.steps)
+    set_job(args.steps, MODEL, TRAINING["seq_len"], TRAINING["global_batch_size"])
     faults = schedule(args.seed)
     print(f"load average {os.getloadavg()[0]:.1f} at start")
-    print(f"{STEPS} steps, 4 ranks on a 2-node LocalCluster ({os.cpu_count()} cores); faults (seed {args.seed}, "
+    print(f"{STEPS} steps of model {MODEL}, sequences of {TRAINING['seq_len']}, {TRAINING['global_batch_size']} a step, "
+          f"4 ranks on a 2-node LocalCluster ({os.cpu_count()} cores); faults (seed {args.seed}, "
           f"mean gap {MEAN_GAP_S:.0f}s): " + ", ".join(f"{f.at_s:.0f}s {f.kind}@{f.rank}" for f in faults[:8]) + " ...")
     res, why = measure(args.only, faults, args.keep)
     report(res, why, faults)

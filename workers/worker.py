@@ -37,6 +37,7 @@ import ray
 from checkpointing.nodes import current_node_is_head, current_node_name
 from workers import telemetry
 from workers.kept_trainer import KeptTrainer
+from workers.low_priority import at_low_priority
 from workers.protocol import (
     FaultNote,
     Formed,
@@ -86,15 +87,12 @@ class Worker:
         self._output = capture_process_output()  # this process is the job's: its output goes to the job's logs
         self._sent_lines = SentLines()  # what a restarted supervisor asks back (lines_after)
         echo_logs_to_stdout()
-        import torch
-
+        # Import the engine now, while the worker is starting, not inside the first generation; at a low
+        # priority, so that a worker starting beside training ranks does not slow them (workers.low_priority).
+        at_low_priority(_import_engine, "import")
         from checkpointing.config import CheckpointConfig
         from parallel.config import EngineConfig
 
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-        # Import the engine now, while the worker is starting, not inside the first generation.
-        import checkpointing.persistent  # noqa: F401
-        import parallel.trainer  # noqa: F401
         self.name = name
         self.cfg = EngineConfig.model_validate_json(engine_json)
         self.ckpt_cfg = CheckpointConfig.model_validate_json(ckpt_json)
@@ -149,6 +147,14 @@ class Worker:
         forms the group, shards and restores. A problem here is left to the start-up probe and the
         generation's own build to report with their reasons; `warm` in the answer says what happened."""
         t0 = time.perf_counter()
+        # On CUDA the warm step starts autograd's device thread, which every later backward runs on: that
+        # thread must not be born at a low priority, so only the CPU path warms up at one.
+        warmed = self._warm() if self._device(0).type == "cuda" else at_low_priority(self._warm, "warm")
+        _freeze_heap()
+        warmed["seconds"] = round(time.perf_counter() - t0, 3)
+        return {**self.info(), "warm": warmed}
+
+    def _warm(self) -> dict[str, Any]:
         warmed: dict[str, Any] = {}
         try:
             from parallel.data import DataLoader
@@ -161,9 +167,7 @@ class Worker:
             warmed["step"] = self._warm_step() if params <= WARM_STEP_MAX_PARAMS else False
         except Exception as e:  # noqa: BLE001 - reported by the probe and the build, where it matters
             warmed["error"] = f"{type(e).__name__}: {e}"[:500]
-        _freeze_heap()
-        warmed["seconds"] = round(time.perf_counter() - t0, 3)
-        return {**self.info(), "warm": warmed}
+        return warmed
 
     def _warm_step(self) -> bool:
         """One training step of the job's model alone (world 1, one sequence, then thrown away): the
@@ -429,6 +433,15 @@ class Worker:
 
 FAILED_SYNC_S = 0.05  # how long a failed run waits for its agent to pass its last notes on
 FAULT_NOTE_S = 0.5  # how long a chaos fault waits for its note to reach the supervisor
+
+
+def _import_engine() -> None:
+    import torch
+
+    import checkpointing.persistent  # noqa: F401
+    import parallel.trainer  # noqa: F401
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
 
 def _freeze_heap() -> None:

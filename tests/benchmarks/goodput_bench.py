@@ -9,7 +9,7 @@ spare arm uses on purpose, and a node loss leaves room for 3). Each framework ru
 fault-free, then with faults fired from outside, at times drawn from one seeded schedule (exponential
 gaps, mean MEAN_GAP_S, counted from the run's first step). The job is the demo's so that its 300 steps last
 long enough to meet that rate: about 90 s fault-free on this VM's 2 cores, in which seed 2026 fires 6
-faults of all four kinds (before 2026-11-29 the job was a dim-64 x 2 model whose 300 steps lasted 15-20 s:
+faults of all four kinds (before e311bab, 2026-11-28, the job was a dim-64 x 2 model whose 300 steps lasted 15-20 s:
 it met only the schedule's first, dense faults, one every 4-7 s, and never all four kinds):
 
   kill_worker     SIGTERM to the rank's process        sigkill_worker  SIGKILL to it

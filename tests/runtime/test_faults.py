@@ -6,7 +6,9 @@ lost, and with the loss of every step equal to the fault-free run's (batch invar
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -98,11 +100,22 @@ def test_fault_recovers_with_the_same_losses(kind: str, reference: list[dict[str
     assert_no_leaks(run.job_id)
 
 
+def _lowered_threads(pid: int) -> list[str]:
+    """The threads of process `pid` whose nice value is above its own main thread's (/proc)."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
+            stat = (task / "stat").read_text()
+            comm, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+            if int(fields[16]) > os.getpriority(os.PRIO_PROCESS, pid):  # field 19 of proc(5): nice
+                out.append(f"{comm} (nice {fields[16]})")
+    return out
+
+
 def test_sigterm_ends_a_worker_and_the_group_reforms(reference: list[dict[str, Any]], tmp_path: Path) -> None:
     """SIGTERM to a training rank's process (as `kill`, or a node's shutdown, sends it): the process ends
     (a threaded Ray actor would otherwise never run Ray's handler and train on), Ray reports it dead, and
     the job re-forms at dp 3 on the same losses."""
-    import os
     import signal
 
     run = JobRun(tiny_spec(tmp_path, chaos=paced(4, 0.3)))
@@ -114,6 +127,11 @@ def test_sigterm_ends_a_worker_and_the_group_reforms(reference: list[dict[str, A
             pid = next((int(i["pid"]) for i in worker_infos(run.job_id)
                         if i["rank"] == 1 and i["phase"] == "training" and i["step"] >= 2), 0)
             time.sleep(0.1)
+        # Each worker started at a low priority (workers.low_priority) on threads that are gone by now:
+        # no thread of a training rank runs below the usual priority.
+        ranks = [int(i["pid"]) for i in worker_infos(run.job_id) if i["phase"] == "training"]
+        lowered = {p: n for p in ranks if (n := _lowered_threads(p))}
+        assert ranks and not lowered, f"threads of training ranks at a raised nice value: {lowered}"
         os.kill(pid, signal.SIGTERM)
         run.wait()
         assert not os.path.exists(f"/proc/{pid}"), "the worker outlived its SIGTERM"

@@ -141,6 +141,11 @@ def layout_at_dp(parallel: _P, dp: int) -> _P:
 # --- the rules ------------------------------------------------------------------------------------
 
 
+
+def engine_at_dp(cfg: Any, dp: int) -> Any:
+    """An engine config (parallel.config.EngineConfig) at data-parallel degree `dp`, its layout layout_at_dp's."""
+    return cfg.model_copy(update={"parallelism": layout_at_dp(cfg.parallelism, dp)}, deep=True)
+
 def _positive(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 

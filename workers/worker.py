@@ -35,9 +35,9 @@ from typing import Any
 import ray
 
 from checkpointing.nodes import current_node_is_head, current_node_name
+from parallel.layout_rules import engine_at_dp
 from workers import telemetry
 from workers.kept_trainer import KeptTrainer
-from workers.low_priority import at_low_priority
 from workers.protocol import (
     FaultNote,
     Formed,
@@ -49,12 +49,10 @@ from workers.protocol import (
     StepReport,
 )
 from workers.train_loop import LoopHooks, train
+from workers.warmup import freeze_heap, import_engine, warm_up
 from workers.worker_tiers import Tiers, checkpoint_root, is_collective_error
 
 log = logging.getLogger("unbroken.worker")
-
-# A spare warms up with one step of the whole model (Worker._warm_step) up to this many parameters.
-WARM_STEP_MAX_PARAMS = 50_000_000
 
 # Metrics rows a worker keeps (its own, every rank's, the newest ones): a supervisor that restarts gets
 # back the rows it never wrote from them (Worker.rows_after). Far more steps than a restart takes.
@@ -87,9 +85,8 @@ class Worker:
         self._output = capture_process_output()  # this process is the job's: its output goes to the job's logs
         self._sent_lines = SentLines()  # what a restarted supervisor asks back (lines_after)
         echo_logs_to_stdout()
-        # Import the engine now, while the worker is starting, not inside the first generation; at a low
-        # priority, so that a worker starting beside training ranks does not slow them (workers.low_priority).
-        at_low_priority(_import_engine, "import")
+        # The engine now, while the worker is starting, not inside the first generation.
+        import_engine()
         from checkpointing.config import CheckpointConfig
         from parallel.config import EngineConfig
 
@@ -129,7 +126,7 @@ class Worker:
         self.chaos = Chaos(self.opts.chaos, is_head_node=lambda: self.on_head, on_fire=self._fired)
         self._hb_stop = threading.Event()
         threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
-        _freeze_heap()
+        freeze_heap()
 
     # --- control calls (run in other actor threads while `run` blocks) ------------------------
     def info(self) -> dict[str, Any]:
@@ -147,48 +144,10 @@ class Worker:
         forms the group, shards and restores. A problem here is left to the start-up probe and the
         generation's own build to report with their reasons; `warm` in the answer says what happened."""
         t0 = time.perf_counter()
-        # On CUDA the warm step starts autograd's device thread, which every later backward runs on: that
-        # thread must not be born at a low priority, so only the CPU path warms up at one.
-        warmed = self._warm() if self._device(0).type == "cuda" else at_low_priority(self._warm, "warm")
-        _freeze_heap()
+        warmed = warm_up(self.cfg, self._device(0))
+        freeze_heap()
         warmed["seconds"] = round(time.perf_counter() - t0, 3)
         return {**self.info(), "warm": warmed}
-
-    def _warm(self) -> dict[str, Any]:
-        warmed: dict[str, Any] = {}
-        try:
-            from parallel.data import DataLoader
-            from parallel.model import build_model
-
-            t = self.cfg.training
-            DataLoader(self.cfg.data, t.seq_len, t.global_batch_size, self.cfg.model.vocab_size, t.micro_batch_size)
-            model = build_model(self.cfg.model, device="meta")
-            params = sum(p.numel() for p in model.parameters())
-            warmed["step"] = self._warm_step() if params <= WARM_STEP_MAX_PARAMS else False
-        except Exception as e:  # noqa: BLE001 - reported by the probe and the build, where it matters
-            warmed["error"] = f"{type(e).__name__}: {e}"[:500]
-        return warmed
-
-    def _warm_step(self) -> bool:
-        """One training step of the job's model alone (world 1, one sequence, then thrown away): the
-        process's first forward, backward and optimizer step (autograd's threads, the kernels' first
-        calls) are paid here rather than in the first step after it joins a group. Only for a layout
-        without model parallelism (one rank holds the whole model) and a model small enough to hold."""
-        import torch.distributed as dist
-
-        p = self.cfg.parallelism
-        if dist.is_initialized() or p.tp * p.pp * p.cp * p.ep != 1:
-            return False
-        if self.cfg.training.compile or self.cfg.model.init_from:  # minutes of compiling / a checkpoint read
-            return False
-        from parallel.trainer import Trainer
-
-        cfg = engine_for_dp(self.cfg, 1)
-        cfg.training = cfg.training.model_copy(update={"global_batch_size": 1, "micro_batch_size": None,
-                                                       "eval_every": None})
-        cfg.data = cfg.data.model_copy(update={"eval": None})
-        Trainer(cfg, device=self._device(0)).train_step()
-        return True
 
     def open_store(self, generation: int, world_size: int, timeout_s: float) -> int:
         """As the coming generation's rank 0: host its TCPStore on a fresh port; returns the port."""
@@ -341,7 +300,7 @@ class Worker:
             # Kept only where a whole state will be loaded into it: a committed snapshot (or, failing
             # that, a persistent checkpoint); never where the restore may turn out "fresh".
             loads = restore is not None and restore.get("step") is not None and bool(keepers)
-            trainer, in_place = self._kept.take(place, engine_for_dp(self.cfg, dp), device, restoring=loads)
+            trainer, in_place = self._kept.take(place, engine_at_dp(self.cfg, dp), device, restoring=loads)
             timings["build_s"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             tiers = Tiers(self, rank, world_size, timeout_s, keepers, trainer)
@@ -435,34 +394,10 @@ FAILED_SYNC_S = 0.05  # how long a failed run waits for its agent to pass its la
 FAULT_NOTE_S = 0.5  # how long a chaos fault waits for its note to reach the supervisor
 
 
-def _import_engine() -> None:
-    import torch
-
-    import checkpointing.persistent  # noqa: F401
-    import parallel.trainer  # noqa: F401
-
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-
-
-def _freeze_heap() -> None:
-    """Collect, then move every object alive now (the imported engine, Ray, torch: ~300k) out of the
-    collector's sight: the full collection after a failed generation (`run`) then scans only what came
-    since, ~0.05 s instead of ~1 s on 2 loaded cores, with the same garbage found."""
-    gc.collect()
-    gc.freeze()
-
-
 def device_is_cuda() -> bool:
     import torch
 
     return bool(torch.cuda.is_available())
-
-
-def engine_for_dp(cfg: Any, dp: int) -> Any:
-    """The engine config at data-parallel degree `dp`: its layout is parallel.layout_rules.layout_at_dp's."""
-    from parallel.layout_rules import layout_at_dp
-
-    return cfg.model_copy(update={"parallelism": layout_at_dp(cfg.parallelism, dp)}, deep=True)
 
 
 class _WorkerHooks(LoopHooks):

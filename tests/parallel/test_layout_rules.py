@@ -208,14 +208,14 @@ def test_dp_range_rules(sizes: dict[str, Any], dp: dict[str, int], field: str, p
 
 def test_one_layout_at_a_new_dp() -> None:
     """HSDP at a new dp: the worker's resize, the resize check and the submit checks form the same layout."""
-    from workers.worker import engine_for_dp
+    from parallel.layout_rules import engine_at_dp
 
     assert autolayout.layout_at_dp is layout_at_dp
     cfg = EngineConfig(model=TINY, training=TRAIN, parallelism={"dp_replicate": 2, "dp_shard": 4, "tp": 2})
     for dp, (rep, shard) in {8: (2, 4), 6: (2, 3), 3: (1, 3), 1: (1, 1)}.items():
         at = layout_at_dp(cfg.parallelism, dp)
         assert (at.dp_replicate, at.dp_shard, at.tp) == (rep, shard, 2)
-        assert engine_for_dp(cfg, dp).parallelism == at
+        assert engine_at_dp(cfg, dp).parallelism == at
     assert cfg.parallelism.dp_shard == 4  # the caller's config is not changed
     # HSDP with 2 replicas shrunk to dp=3 runs plain FSDP over 3: the resize check judges that layout.
     job = parse_spec({"model": TINY, "training": {**TRAIN, "global_batch_size": 3},

@@ -34,10 +34,10 @@ def test_supervisor_killed_while_workers_train_on(head_cluster: Any, tmp_path: P
     import ray
 
     from checkpointing.naming import NAMESPACE, worker_prefix
+    from parallel.layout_rules import engine_at_dp
     from service.store import JobStore
     from service.supervisor import find_supervisor, launch_supervisor
     from workers.launcher import run_local
-    from workers.worker import engine_for_dp
 
     # Every rank's step takes ~0.4 s, so the ranks train on for several steps while the supervisor is
     # down; rank 1's step 3 raises first: one recovery, counted before the restart.
@@ -50,7 +50,7 @@ def test_supervisor_killed_while_workers_train_on(head_cluster: Any, tmp_path: P
                      chaos=[*slow, *marks, {"kind": "raise_in_step", "step": 2, "rank": 1}])
     clean = tiny_spec(tmp_path / "ref", steps=STEPS, dp=2, dp_min=1)
     # The fault-free run in one process (the loss does not depend on dp: batch invariance).
-    ref_run = run_local(engine_for_dp(engine_of(clean), 1), 1, tmp_path / "ref", show_progress=False)
+    ref_run = run_local(engine_at_dp(engine_of(clean), 1), 1, tmp_path / "ref", show_progress=False)
     reference = [json.loads(x) for x in Path(ref_run.metrics_path).read_text().splitlines()]
 
     store = JobStore(f"sqlite:///{tmp_path / 'jobs.db'}")

@@ -27,6 +27,7 @@ import os
 import signal
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -59,12 +60,19 @@ class Fault:
                    None if gen is None else int(gen), index)
 
 
-def claim_once(job_id: str, fault: Fault) -> bool:
-    """True for the first worker of the job to claim this fault (Ray's KV store: put-if-absent)."""
-    from ray.experimental.internal_kv import _internal_kv_put
+def claim_once(job_id: str, fault: Fault, token: str | None = None) -> bool:
+    """True for the first worker of the job to claim this fault (Ray's KV store: put-if-absent). The value
+    names the claimer (`token`, unique per call by default), and "already there" is read back: a put whose
+    reply was lost and was retried finds its own claim, and must still fire rather than think another
+    process fired it (a claim taken and no fault would leave the soak's fault unseen)."""
+    from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_put
 
     key = f"chaos/{job_id}/{fault.index}"
-    return not _internal_kv_put(key, f"{fault.kind}@{fault.step}", overwrite=False, namespace="unbroken")
+    mine = token or f"{fault.kind}@{fault.step} by pid {os.getpid()} {uuid.uuid4().hex[:12]}"
+    if not _internal_kv_put(key, mine, overwrite=False, namespace="unbroken"):
+        return True
+    held = _internal_kv_get(key, namespace="unbroken")
+    return held is not None and held.decode() == mine
 
 
 def forget_claims(job_id: str) -> int:

@@ -114,6 +114,8 @@ class Outcome:
     stopped: str = ""  # why the run stopped before its last step (the bench's time cap), else ""
     # Per step (as `steps`): (ranks or replicas that did it, generation); None: all WORLD, one generation.
     widths: list[tuple[int, int]] | None = None
+    # Ours: each pause between generations (the step that ended one to the next one's first, less a step).
+    pauses_s: list[float] = field(default_factory=list)
 
     @property
     def final_loss(self) -> float:
@@ -282,13 +284,15 @@ def run_ours(tmp: Path, cluster: Any, faults: list[Fault], spares: int = 0, dp: 
     _ensure_node_b(cluster)
     detail = [f"{e['kind']}: {e.get('message', '')}" for e in run.events
               if e["kind"] in ("recovered", "spare_swapped", "resized", "recovery_interrupted")]
+    changes = [(a, b, b["end_time"] - a["end_time"] - b["step_time_s"])
+               for a, b in zip(rows[:-1], rows[1:], strict=True) if a["generation"] != b["generation"]]
     detail.append("pauses (the step that ended each generation to the next one's first, less a step): " + ", ".join(
-        f"g{a['generation']}->g{b['generation']} dp {a['dp']}->{b['dp']} {b['end_time'] - a['end_time'] - b['step_time_s']:.2f}s"
-        for a, b in zip(rows[:-1], rows[1:], strict=True) if a["generation"] != b["generation"]))
+        f"g{a['generation']}->g{b['generation']} dp {a['dp']}->{b['dp']} {p:.2f}s" for a, b, p in changes))
     by_dp = Counter(int(r["dp"]) for r in rows)  # a step's time depends on dp here (2 cores for 4 ranks)
     detail.append("steps by dp: " + ", ".join(f"dp {k}: {v}" for k, v in sorted(by_dp.items(), reverse=True)))
     widths = [(int(r["dp"]), int(r["generation"])) for r in rows]
-    return Outcome(_wall(steps), steps, lost, inj.fired if inj else [], detail, widths=widths)
+    return Outcome(_wall(steps), steps, lost, inj.fired if inj else [], detail, widths=widths,
+                   pauses_s=[p for _, _, p in changes])
 
 
 def _kill_node_b(cluster: Any) -> None:
@@ -514,6 +518,13 @@ def report(res: dict[str, Arm], why: dict[str, str], faults: list[Fault]) -> dic
             print(f"note: {name}'s faulty run took less time than its fault-free one: with fewer ranks than "
                   f"{WORLD} sharing {os.cpu_count()} cores (ours: a shrunk dp, see its steps by dp; TorchFT: "
                   "dropped replicas' shards) a step is cheaper here; its ETTR counts each step at its width")
+    for name, arm in res.items():
+        if arm.faulty.pauses_s:  # where our lost time went: the pauses, and steps slower than fault-free ones
+            lost = arm.faulty.wall_s - productive_s(arm)[0]
+            pauses = sum(arm.faulty.pauses_s)
+            print(f"lost time: {name} {lost:.1f} s = {pauses:.1f} s in {len(arm.faulty.pauses_s)} pauses + "
+                  f"{lost - pauses:.1f} s in steps slower than fault-free ones at their width (beside starting "
+                  "workers and a returning node on the same cores)")
     print("goodput: " + ", ".join(f"{name} {ettr.get(name, 'n/a')}" for name in ARMS))
     return ettr
 

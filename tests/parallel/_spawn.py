@@ -7,6 +7,7 @@ back. A rank's exception fails the test with that rank's traceback.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import tempfile
@@ -43,10 +44,15 @@ def _entry(rank: int, world: int, port: int, out_dir: str, fn: Callable[..., Any
         result = ("ok", fn(rank, world, *args))
     except BaseException:
         result = ("error", traceback.format_exc())
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
     Path(out_dir, f"{rank}.pkl").write_bytes(pickle.dumps(result))
+    if dist.is_initialized():
+        # Every rank done with the group before any tears it down (rank 0 hosts the TCPStore). A rank of
+        # test_local_clip once died by SIGABRT, "terminate called without an active exception": a C++ thread
+        # destroyed while joinable, as in a teardown racing a peer; where exactly was not caught. The result
+        # is written first, and a failed barrier (a peer that raised) is not this rank's error.
+        with contextlib.suppress(Exception):
+            dist.barrier()
+        dist.destroy_process_group()
 
 
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:

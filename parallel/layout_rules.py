@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 if TYPE_CHECKING:
-    pass
+    from parallel.config import EngineConfig
 
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")  # one stage per pp rank
 LOOPED_SCHEDULES = ("interleaved_1f1b", "zero_bubble")  # rank r holds stages r, r+pp, ...: >= 2 per rank
@@ -138,13 +138,13 @@ def layout_at_dp(parallel: _P, dp: int) -> _P:
     return type(parallel).model_validate({**parallel.model_dump(), "dp_replicate": rep, "dp_shard": shard})
 
 
+def engine_at_dp(cfg: EngineConfig, dp: int) -> EngineConfig:
+    """The engine config at data-parallel degree `dp` (a deep copy), its layout layout_at_dp's."""
+    return cfg.model_copy(update={"parallelism": layout_at_dp(cfg.parallelism, dp)}, deep=True)
+
+
 # --- the rules ------------------------------------------------------------------------------------
 
-
-
-def engine_at_dp(cfg: Any, dp: int) -> Any:
-    """An engine config (parallel.config.EngineConfig) at data-parallel degree `dp`, its layout layout_at_dp's."""
-    return cfg.model_copy(update={"parallelism": layout_at_dp(cfg.parallelism, dp)}, deep=True)
 
 def _positive(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1

@@ -490,6 +490,7 @@ def report(res: dict[str, Arm], why: dict[str, str], faults: list[Fault]) -> dic
     print(f"{'':<16}{'ETTR':>6}{'faults':>8}{'gap s':>7}{'ETTR@gap':>10}{'steps lost':>12}{'s lost/fault':>14}"
           f"{'final loss':>12}{'fault-free':>12}{'wall s':>9}{'free s':>8}  note")
     ettr: dict[str, str] = {}
+    split: list[str] = []  # the lost-time lines, printed under the table
     for name, arm in res.items():
         free, faulty, note = arm.free, arm.faulty, arm.note
         n = max(1, len(faulty.fired))
@@ -500,6 +501,11 @@ def report(res: dict[str, Arm], why: dict[str, str], faults: list[Fault]) -> dic
             note = (f"{note}; fault-free step s by width: "
                     + ", ".join(f"{w}: {t:.3f}" for w, t in sorted(per.items(), reverse=True))).lstrip("; ")
         ettr[name] = f"{e:.2f}"
+        if faulty.pauses_s:  # where our lost time went: the pauses, and steps slower than fault-free ones
+            lost, pauses = per_fault * n, sum(faulty.pauses_s)
+            split.append(f"lost time: {name} {lost:.1f} s = {pauses:.1f} s in {len(faulty.pauses_s)} pauses + "
+                         f"{lost - pauses:.1f} s in steps slower than fault-free ones at their width (beside "
+                         "starting workers and a returning node on the same cores)")
         if faulty.stopped:
             note = f"{note}; {faulty.stopped}: ETTR = fault-free time of the steps done / elapsed".lstrip("; ")
         print(f"{name:<16}{e:>6.2f}{len(faulty.fired):>8}{faulty.wall_s / n:>7.1f}"
@@ -518,13 +524,8 @@ def report(res: dict[str, Arm], why: dict[str, str], faults: list[Fault]) -> dic
             print(f"note: {name}'s faulty run took less time than its fault-free one: with fewer ranks than "
                   f"{WORLD} sharing {os.cpu_count()} cores (ours: a shrunk dp, see its steps by dp; TorchFT: "
                   "dropped replicas' shards) a step is cheaper here; its ETTR counts each step at its width")
-    for name, arm in res.items():
-        if arm.faulty.pauses_s:  # where our lost time went: the pauses, and steps slower than fault-free ones
-            lost = arm.faulty.wall_s - productive_s(arm)[0]
-            pauses = sum(arm.faulty.pauses_s)
-            print(f"lost time: {name} {lost:.1f} s = {pauses:.1f} s in {len(arm.faulty.pauses_s)} pauses + "
-                  f"{lost - pauses:.1f} s in steps slower than fault-free ones at their width (beside starting "
-                  "workers and a returning node on the same cores)")
+    for line in split:
+        print(line)
     print("goodput: " + ", ".join(f"{name} {ettr.get(name, 'n/a')}" for name in ARMS))
     return ettr
 

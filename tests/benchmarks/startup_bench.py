@@ -1,16 +1,16 @@
 """What a rank's process costs in CPU until its first step, two ways, in the same run:
 
-- fresh: a new interpreter imports Ray, our worker module and the engine (torch, DTensor, DCP), builds
-  the job's model and takes one step: what each replacement, spare or grow-back worker pays today;
+- fresh: a new interpreter imports Ray, our worker module and the engine (workers.warmup.import_engine:
+  torch, DTensor, DCP) and takes the worker's warm step (workers.warmup.warm_step: the job's model built
+  and one step of one sequence): what each replacement, spare or grow-back worker pays today;
 - forked: a child forked from a process that already made the same imports (Ray's module imported but
-  never initialized: a process with Ray's threads must not fork) builds the model and takes one step;
-  the imported pages are shared copy-on-write.
+  never initialized: a process with Ray's threads must not fork) takes the same warm step; the imported
+  pages are shared copy-on-write.
 
 On hosts whose cores train (CPU jobs, or this 2-core VM), a start-up's CPU is taken from the steps
 running beside it: goodput_bench's lost time is mostly that. The ratio bounds what a per-node fork
 server (the worker actor a thin handle over a forked trainer) would save; that design is not built.
-The job is the demo's model (preset debug, sequences of 128) at one rank, 4 sequences a step,
-synthetic data. Run: .venv/bin/python -m tests.benchmarks.startup_bench [--rounds N]
+The job is the demo's (preset debug, sequences of 128) on synthetic data. Run: .venv/bin/python -m tests.benchmarks.startup_bench [--rounds N]
 """
 
 from __future__ import annotations
@@ -24,20 +24,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
+# A worker's own start-up: workers.warmup's engine import, then its warm step (the job's model alone).
 FIRST_STEP = """
 import torch, yaml
-from parallel.layout_rules import engine_at_dp
-from parallel.trainer import Trainer
 from service.spec import parse_spec
 from tests.runtime.jobs import engine_of
+from workers.warmup import warm_step
 spec = yaml.safe_load(open("examples/demo_job.yaml"))
 spec.get("checkpoint", {}).pop("s3", None)
 spec["data"] = {"kind": "synthetic"}
-cfg = engine_at_dp(engine_of(parse_spec(spec)), 1)
-cfg.training = cfg.training.model_copy(update={"global_batch_size": 4, "micro_batch_size": None})
-Trainer(cfg, device=torch.device("cpu")).train_step()
+assert warm_step(engine_of(parse_spec(spec)), torch.device("cpu"))
 """
-IMPORTS = "import ray, workers.worker\nfrom workers.warmup import _import_engine\n_import_engine()\n"
+IMPORTS = "import ray, workers.worker\nfrom workers.warmup import import_engine\nimport_engine()\n"
 
 
 def _children_cpu() -> float:

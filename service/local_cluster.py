@@ -165,7 +165,11 @@ class LocalCluster:
         node = self.nodes[name]
         roots = [info.process.pid for infos in node.all_processes.values() for info in infos
                  if getattr(info, "process", None) is not None]
-        pids = _descendants(roots)
+        raylets = [info.process.pid for info in node.all_processes.get("raylet", [])
+                   if getattr(info, "process", None) is not None]
+        # A worker forked by a job's zygote (workers.zygote) is no descendant of the raylet; its
+        # environment names its raylet as every worker's does.
+        pids = list(dict.fromkeys(_descendants(roots + [p for r in raylets for p in _workers_of_raylet(r)])))
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGSTOP)
@@ -196,6 +200,20 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _workers_of_raylet(raylet_pid: int) -> list[int]:
+    """Processes whose environment says RAY_RAYLET_PID=raylet_pid (Linux /proc; ours only)."""
+    want = f"RAY_RAYLET_PID={raylet_pid}".encode()
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if want in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"):
+                    out.append(int(entry))
+            except OSError:
+                continue
+    return out
 
 
 def _descendants(roots: list[int]) -> list[int]:

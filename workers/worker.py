@@ -51,6 +51,7 @@ from workers.protocol import (
 from workers.train_loop import LoopHooks, train
 from workers.warmup import freeze_heap, import_engine, warm_up
 from workers.worker_tiers import Tiers, checkpoint_root, is_collective_error
+from workers.zygote import FORKED_ENV
 
 log = logging.getLogger("unbroken.worker")
 
@@ -135,6 +136,7 @@ class Worker:
             "host": self.host, "hostname": socket.gethostname(), "generation": self.generation,
             "rank": self.rank, "world_size": self.world_size, "phase": self.phase, "step": self.step,
             "replica": self.opts.replica, "local": self.opts.local,
+            "forked": bool(os.environ.get(FORKED_ENV)),  # from its node's zygote (workers.zygote)
         }
 
     def warm(self) -> dict[str, Any]:

@@ -17,6 +17,7 @@ import contextlib
 import os
 import signal
 import socket
+import sys
 import time
 from collections import Counter
 from collections.abc import Collection
@@ -33,6 +34,7 @@ from service.supervisor.context import JobRun
 from service.supervisor.reporter import Reporter
 from service.supervisor.words import first_line, plural
 from workers.protocol import RunResult, RunStatus
+from workers.zygote_client import command as zygote_command
 
 
 class ReplicaState(StrEnum):
@@ -184,6 +186,9 @@ class ReplicaPool:
         env = dict(run.spec.runtime_env.env_vars)
         env.update({k: v.get_secret_value() for k, v in run.spec.runtime_env.secret_env_vars.items()})
         env.setdefault("OMP_NUM_THREADS", "1")
+        runtime_env: dict[str, Any] = {"env_vars": env}
+        if run.spec.resources.fork_workers and sys.platform.startswith("linux"):
+            runtime_env["py_executable"] = zygote_command(run.job_id)
         for local in range(run.mp):
             n = self._next_worker
             self._next_worker += 1
@@ -200,7 +205,7 @@ class ReplicaPool:
                 name=name, namespace=run.namespace, lifetime="detached", max_concurrency=8, max_restarts=0,
                 num_cpus=run.per_worker.get("CPU", 0.0), num_gpus=run.per_worker.get("GPU", 0.0),
                 resources={k: v for k, v in run.per_worker.items() if k not in ("CPU", "GPU")} or None,
-                scheduling_strategy=rep.res.strategy(local), runtime_env={"env_vars": env},
+                scheduling_strategy=rep.res.strategy(local), runtime_env=runtime_env,
             ).remote(name, engine, ckpt, opts, run.self_handle)
             slot = Slot(name, handle, rep.index, local)
             slot.info_ref = handle.warm.remote()  # its info, once the engine is imported and the data open

@@ -42,7 +42,7 @@ from typing import Any
 from workers.zygote_client import socket_name
 
 FORKED_ENV = "UNBROKEN_FORKED_FROM"  # set in each child: the zygote's pid (Worker.info says it was forked)
-IDLE_S = 120.0  # no child alive and no request for this long: the job has left the node
+IDLE_S = 30.0  # no child alive and no request for this long: the job has left the node (or shrunk off it)
 _REQUEST_MAX = 16 << 20
 
 

@@ -66,10 +66,10 @@ def _log_path(key: str, rest: list[str]) -> str:
     return os.path.join(logs, f"unbroken-zygote-{key}-{_arg(rest, '--node-id')[:12]}.log")
 
 
-def _start_zygote(key: str, node_id: str, log: str) -> None:
+def _start_zygote(key: str, node_id: str, log: str) -> subprocess.Popen[bytes]:
     """A zygote for this job on this node, in its own session (a worker's signals are not its own)."""
     with open(os.devnull, "rb") as devnull, open(log, "ab") as out:
-        subprocess.Popen(
+        return subprocess.Popen(
             [sys.executable, "-m", "workers.zygote", "--key", key, "--node-id", node_id,
              "--raylet-pid", os.environ.get("RAY_RAYLET_PID", "0")],
             stdin=devnull, stdout=out, stderr=out, start_new_session=True, close_fds=True,
@@ -83,15 +83,18 @@ def _zygote(key: str, rest: list[str]) -> socket.socket | None:
     if s is not None:
         return s
     try:
-        _start_zygote(key, node_id, _log_path(key, rest))
+        proc = _start_zygote(key, node_id, _log_path(key, rest))
     except OSError:
         return None
     deadline = time.monotonic() + CONNECT_WAIT_S
-    while time.monotonic() < deadline:  # two first clients may both start one: the second's bind fails
+    while time.monotonic() < deadline:
         time.sleep(0.02)
         s = _connect(name)
         if s is not None:
             return s
+        # 0: another client's zygote took the name first (keep trying it); else it could not start.
+        if proc.poll() not in (None, 0):
+            return None
     return None
 
 

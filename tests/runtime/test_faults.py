@@ -130,6 +130,10 @@ def test_sigterm_ends_a_worker_and_the_group_reforms(reference: list[dict[str, A
         # Each worker started at a low priority (workers.low_priority) on threads that are gone by now:
         # no thread of a training rank runs below the usual priority.
         ranks = [int(i["pid"]) for i in worker_infos(run.job_id) if i["phase"] == "training"]
+        # Each forked from the node's zygote (resources.fork_workers, on by default), in a process group
+        # of its own: Ray ends a worker's whole group, which must not take its siblings.
+        assert all(i["forked"] for i in worker_infos(run.job_id)), worker_infos(run.job_id)
+        assert all(os.getpgid(p) == p for p in ranks), [(p, os.getpgid(p)) for p in ranks]
         lowered = {p: n for p in ranks if (n := _lowered_threads(p))}
         assert ranks and not lowered, f"threads of training ranks at a raised nice value: {lowered}"
         os.kill(pid, signal.SIGTERM)

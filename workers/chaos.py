@@ -10,7 +10,8 @@ know the generations in advance.
 - kill_worker: os._exit(1)                 - sigkill_worker: SIGKILL itself
 - hang_worker: SIGSTOP itself (the train loop and the heartbeat thread both stop; only missed
   heartbeats can tell)
-- kill_node: SIGKILL this node's raylet (the worker's parent); refused on the head node
+- kill_node: SIGKILL this node's raylet (RAY_RAYLET_PID: a forked worker's parent is its zygote); refused on
+  the head node
 - slow_worker: sleep `seconds` before every step from then on (a straggler)
 - raise_in_step: raise ChaosError inside the step
 - kill_keeper: kill the in-memory snapshot keeper of this worker's node (`keeper-<node>`); the
@@ -141,7 +142,9 @@ class Chaos:
         elif f.kind == "kill_node":
             if self._is_head_node():
                 raise ChaosError("chaos kill_node: this worker runs on the head node; pick a rank on another node")
-            os.kill(os.getppid(), signal.SIGKILL)  # the raylet: the node's workers go with it
+            # The raylet (the node's workers go with it): Ray names it to every worker; the parent of a worker
+            # forked by its zygote (workers.zygote) is the zygote.
+            os.kill(int(os.environ.get("RAY_RAYLET_PID") or os.getppid()), signal.SIGKILL)
             time.sleep(60)  # this process is about to be reaped with its node
         elif f.kind == "raise_in_step":
             raise ChaosError(f"injected fault (chaos raise_in_step) at step {f.step} on rank {f.rank}")

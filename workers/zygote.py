@@ -9,12 +9,12 @@ clients are workers.zygote_client, which Ray starts as the worker actor's py_exe
     python -m workers.zygote --key JOB --node-id NODE --raylet-pid PID
 
 It binds its name at once (workers.zygote_client.socket_name), imports the engine on a low-priority
-thread (workers.warmup.import_engine; clients wait meanwhile), then serves: each client sends its
+thread (workers.warmup.import_engine, and Ray's module; clients wait meanwhile), then serves: each client sends its
 standard streams' descriptors, environment, working folder and argv (Ray's default_worker and its
 arguments); the zygote forks, and the child takes them over and runs default_worker as a fresh
 interpreter would (`__main__`, argv, sys.path[0], random seeds drawn again). The child's pid and, once
-it is reaped, its exit status go back to the client. Ray is never imported here, so each child connects
-to Ray as a new process does. The zygote exits when its raylet is gone, or when it has had no child and
+it is reaped, its exit status go back to the client. Ray is imported here but never initialized, so each
+child connects to Ray as a new process does. The zygote exits when its raylet is gone, or when it has had no child and
 no request for IDLE_S; its children do not depend on it.
 
 Forking is safe here because the zygote has one thread when it forks (the import thread has ended), has
@@ -42,13 +42,16 @@ from typing import Any
 from workers.zygote_client import socket_name
 
 FORKED_ENV = "UNBROKEN_FORKED_FROM"  # set in each child: the zygote's pid (Worker.info says it was forked)
+CLIENT_ENV = "UNBROKEN_FORK_CLIENT"  # and the pid of the client that stands in for it (the process Ray started)
 IDLE_S = 30.0  # no child alive and no request for this long: the job has left the node (or shrunk off it)
 _REQUEST_MAX = 16 << 20
 
 
-def _peer_uid(conn: socket.socket) -> int:
+def _peer(conn: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of the client at the other end."""
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return int(struct.unpack("3i", creds)[1])
+    pid, uid, _gid = struct.unpack("3i", creds)
+    return int(pid), int(uid)
 
 
 def _read_request(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
@@ -84,7 +87,7 @@ def _send(conn: socket.socket, **msg: Any) -> None:
         conn.sendall(json.dumps(msg).encode() + b"\n")
 
 
-def _become_worker(req: dict[str, Any], fds: list[int], zygote_pid: int) -> None:
+def _become_worker(req: dict[str, Any], fds: list[int], zygote_pid: int, client_pid: int) -> None:
     """In the child: take over the client's streams, environment, folder and argv, in a process group of
     its own: Ray kills a worker's whole group when it ends one, and the zygote's is its siblings'."""
     os.setpgid(0, 0)
@@ -100,6 +103,7 @@ def _become_worker(req: dict[str, Any], fds: list[int], zygote_pid: int) -> None
     os.environ.clear()
     os.environ.update({str(k): str(v) for k, v in req["env"].items()})
     os.environ[FORKED_ENV] = str(zygote_pid)
+    os.environ[CLIENT_ENV] = str(client_pid)
     sys.argv = [str(a) for a in req["argv"]]
     sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
     random.seed()  # (Python's own at-fork hook does this too; torch's and numpy's have none)
@@ -110,11 +114,20 @@ def _become_worker(req: dict[str, Any], fds: list[int], zygote_pid: int) -> None
 
 
 def _preload() -> None:
+    from workers.low_priority import at_low_priority
     from workers.warmup import import_engine
 
     import_engine()  # on a low-priority thread: the zygote may start beside training ranks
+    # Ray's module too (~0.3 CPU-s a worker), imported and never initialized: it starts no thread, and
+    # what it reads from the environment at import is the same for every worker of this job on this node
+    # (the zygote's environment is its first client's). Our worker module is not: it starts a thread.
+    at_low_priority(_import_ray, "import")
     gc.collect()
     gc.freeze()  # the children's collections leave these pages unwritten (copy-on-write kept)
+
+
+def _import_ray() -> None:
+    import ray  # noqa: F401
 
 
 def _raylet_alive(pid: int) -> bool:
@@ -137,6 +150,11 @@ def serve(name: str, raylet_pid: int, idle_s: float = IDLE_S) -> int:
         return 0
     listener.listen(64)
     _preload()
+    threads = len(os.listdir("/proc/self/task"))
+    if threads != 1:  # a fork copies only the forking thread: one holding a lock would leave it held
+        print(f"unbroken zygote: {threads} threads after the imports; not forking (workers start fresh)",
+              file=sys.stderr, flush=True)
+        return 1
     me = os.getpid()
     # A child's exit wakes the loop at once (its client exits with it), through a pipe Python's signal
     # machinery writes to.
@@ -156,7 +174,8 @@ def serve(name: str, raylet_pid: int, idle_s: float = IDLE_S) -> int:
             conn, _ = listener.accept()
             last = time.monotonic()
             try:
-                if _peer_uid(conn) != os.getuid():
+                client_pid, uid = _peer(conn)
+                if uid != os.getuid():
                     raise ValueError("a client of another user")
                 req, fds = _read_request(conn)
             except (OSError, ValueError) as e:
@@ -175,7 +194,7 @@ def serve(name: str, raylet_pid: int, idle_s: float = IDLE_S) -> int:
                 for c in clients.values():
                     c.close()
                 try:
-                    _become_worker(req, fds, me)
+                    _become_worker(req, fds, me, client_pid)
                 except BaseException:  # noqa: BLE001 - never fall back into the zygote's loop
                     traceback.print_exc()
                     os._exit(70)

@@ -67,12 +67,13 @@ def _log_path(key: str, rest: list[str]) -> str:
 
 
 def _start_zygote(key: str, node_id: str, log: str) -> subprocess.Popen[bytes]:
-    """A zygote for this job on this node, in its own session (a worker's signals are not its own)."""
+    """A zygote for this job on this node, in a process group of its own (Ray ends a worker by killing its
+    group: this client's) but in the node's session, where whoever manages the node's processes finds it."""
     with open(os.devnull, "rb") as devnull, open(log, "ab") as out:
         return subprocess.Popen(
             [sys.executable, "-m", "workers.zygote", "--key", key, "--node-id", node_id,
              "--raylet-pid", os.environ.get("RAY_RAYLET_PID", "0")],
-            stdin=devnull, stdout=out, stderr=out, start_new_session=True, close_fds=True,
+            stdin=devnull, stdout=out, stderr=out, process_group=0, close_fds=True,
         )
 
 

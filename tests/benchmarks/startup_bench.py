@@ -8,9 +8,16 @@
   pages are shared copy-on-write.
 
 On hosts whose cores train (CPU jobs, or this 2-core VM), a start-up's CPU is taken from the steps
-running beside it: goodput_bench's lost time is mostly that. The ratio bounds what a per-node fork
-server (the worker actor a thin handle over a forked trainer) would save; that design is not built.
-The job is the demo's (preset debug, sequences of 128) on synthetic data. Run: .venv/bin/python -m tests.benchmarks.startup_bench [--rounds N]
+running beside it: it was most of goodput_bench's lost time. The model is the demo's (preset debug,
+sequences of 128) on synthetic data.
+
+Then the same where users meet it, in a job through the supervisor (goodput_bench's: 4 ranks on a
+2-node LocalCluster, the demo's model), once with resources.fork_workers (each worker forked by its
+node's zygote, workers.zygote) and once without (a fresh interpreter each): a training rank is
+SIGKILLed at step 20, and the CPU its replacement's processes used until it was ready (replica_ready)
+is read from /proc: the worker's process, and with a zygote the client Ray started in its place
+(Ray's setup_worker runs in that process before it execs the client).
+Run: .venv/bin/python -m tests.benchmarks.startup_bench [--rounds N] [--no-job]
 """
 
 from __future__ import annotations
@@ -78,10 +85,69 @@ def fork_server(rounds: int) -> list[float]:
     return [float(x) for x in out.split()[-rounds:]]
 
 
+def _cpu_s(pid: int) -> float:
+    """utime + stime of a live process (/proc/PID/stat), in seconds; 0 for one that is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def replacement_cpu(fork: bool) -> tuple[float, bool]:
+    """(CPU-s of a replacement worker until it is ready, whether it was forked), in a job through the
+    supervisor on a private 2-node LocalCluster."""
+    import signal
+    import tempfile
+    import time
+
+    from service.local_cluster import LocalCluster
+    from tests.benchmarks import goodput_bench as gb
+    from tests.runtime.jobs import JobRun, worker_infos
+    from workers.zygote import CLIENT_ENV
+
+    with tempfile.TemporaryDirectory(prefix="startup_bench_") as d, \
+            LocalCluster(head_cpus=gb.NODE_CPUS, object_store_mb=300) as cluster:  # fmt: skip
+        cluster.add_node("b", num_cpus=gb.NODE_CPUS)
+        cluster.connect()
+        spec = gb._ours_spec(Path(d) / "job")
+        spec = spec.model_copy(update={"resources": spec.resources.model_copy(update={"fork_workers": fork})})
+        run = JobRun(spec)
+        try:
+            metrics = Path(d) / "job" / "metrics.jsonl"
+            deadline = time.monotonic() + 300
+            while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 20):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the job did not reach step 20: {run.kinds()}")
+                run.poll()
+                time.sleep(0.2)
+            infos = worker_infos(run.job_id)
+            old = {int(i["pid"]) for i in infos}
+            victim = next(i for i in infos if i["rank"] == 1 and i["phase"] == "training")
+            t0 = time.time()
+            os.kill(int(victim["pid"]), signal.SIGKILL)
+            while True:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"no replacement was ready: {run.kinds()}")
+                run.poll()
+                if any(e["kind"] == "replica_ready" and float(e["ts"]) > t0 for e in run.events):
+                    break
+                time.sleep(0.1)
+            new = next(i for i in worker_infos(run.job_id) if int(i["pid"]) not in old)
+            pid = int(new["pid"])
+            env = dict(x.split("=", 1) for x in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in x)
+            client = int(env.get(CLIENT_ENV, 0))
+            cpu = _cpu_s(pid) + (_cpu_s(client) if client else 0.0)
+            return cpu, bool(new.get("forked"))
+        finally:
+            run.finish()
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--fork-server", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--no-job", action="store_true", help="skip the measurement in a job")
     args = ap.parse_args(argv or [])
     if args.fork_server:
         exec(IMPORTS, {})  # noqa: S102 - Ray's module imported, never initialized
@@ -94,6 +160,13 @@ def main(argv: list[str] | None = None) -> None:
     print("fresh    " + "  ".join(f"{x:.2f}" for x in cold))
     print("forked   " + "  ".join(f"{x:.2f}" for x in warm))
     print(f"startup: fresh {med[0]:.2f} CPU-s, forked {med[1]:.2f} CPU-s, forked/fresh {med[1] / med[0]:.2f}")
+    if args.no_job:
+        return
+    (fresh_job, f0), (forked_job, f1) = replacement_cpu(False), replacement_cpu(True)
+    if f0 or not f1:
+        raise RuntimeError(f"the arms did not start as asked: forked {f0} without a zygote, {f1} with one")
+    print(f"in a job: a replacement worker's CPU until ready: fresh {fresh_job:.2f} CPU-s, forked by the "
+          f"node's zygote {forked_job:.2f} CPU-s, forked/fresh {forked_job / fresh_job:.2f}")
 
 
 if __name__ == "__main__":

@@ -26,7 +26,8 @@ WORKER = """
 import json, os, sys, time
 print(json.dumps({"pid": os.getpid(), "pgid": os.getpgid(0), "forked": os.environ.get("FORKED_ENV"),
                   "x": os.environ.get("X"), "cwd": os.getcwd(), "argv": sys.argv[1:],
-                  "torch": "torch" in sys.modules, "path0": sys.path[0]}), flush=True)
+                  "torch": "torch" in sys.modules, "ray": "ray" in sys.modules,
+                  "path0": sys.path[0]}), flush=True)
 print("to stderr", file=sys.stderr, flush=True)
 if os.environ.get("SLEEP"):
     time.sleep(float(os.environ["SLEEP"]))
@@ -71,7 +72,7 @@ def test_workers_are_forked_from_one_zygote_with_their_own_streams_env_and_group
         zygote = int(seen["forked"])
         assert code == 7, err  # the child's status is the client's
         assert seen["pid"] != client and seen["pgid"] == seen["pid"], seen  # a group of its own
-        assert seen["torch"], "the zygote imported torch before forking"
+        assert seen["torch"] and seen["ray"], "the zygote imported torch and Ray's module before forking"
         assert (seen["x"], seen["cwd"], seen["argv"]) == ("first", str(tmp_path), ["--node-id=node1", "--flag=1"])
         assert seen["path0"] == str(worker_py.parent)  # as `python default_worker.py` would have it
         assert "to stderr" in err  # the client's own streams, handed over

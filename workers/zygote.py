@@ -96,9 +96,12 @@ def _become_worker(req: dict[str, Any], fds: list[int], zygote_pid: int, client_
     for fd in fds:
         if fd > 2:
             os.close(fd)
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD, signal.SIGPIPE):
+    # As a fresh interpreter has them: SIGINT raises KeyboardInterrupt, SIGPIPE stays ignored (a write to a
+    # closed socket raises BrokenPipeError rather than killing the worker), the zygote's SIGCHLD wake-up goes.
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
         signal.signal(sig, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a fresh interpreter
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     os.chdir(req["cwd"])
     os.environ.clear()
     os.environ.update({str(k): str(v) for k, v in req["env"].items()})
@@ -120,7 +123,7 @@ def _preload() -> None:
     import_engine()  # on a low-priority thread: the zygote may start beside training ranks
     # Ray's module too (~0.3 CPU-s a worker), imported and never initialized: it starts no thread, and
     # what it reads from the environment at import is the same for every worker of this job on this node
-    # (the zygote's environment is its first client's). Our worker module is not: it starts a thread.
+    # (the zygote's environment is its first client's). Not our worker module: importing it starts a thread.
     at_low_priority(_import_ray, "import")
     gc.collect()
     gc.freeze()  # the children's collections leave these pages unwritten (copy-on-write kept)

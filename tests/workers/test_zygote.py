@@ -23,10 +23,12 @@ from workers.zygote_client import command
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the zygote is Linux only")
 
 WORKER = """
-import json, os, sys, time
+import json, os, signal, sys, time
 print(json.dumps({"pid": os.getpid(), "pgid": os.getpgid(0), "forked": os.environ.get("FORKED_ENV"),
                   "x": os.environ.get("X"), "cwd": os.getcwd(), "argv": sys.argv[1:],
                   "torch": "torch" in sys.modules, "ray": "ray" in sys.modules,
+                  "signals": [str(signal.getsignal(s)) for s in (signal.SIGPIPE, signal.SIGINT, signal.SIGTERM,
+                                                                 signal.SIGCHLD)],
                   "path0": sys.path[0]}), flush=True)
 print("to stderr", file=sys.stderr, flush=True)
 if os.environ.get("SLEEP"):
@@ -75,6 +77,8 @@ def test_workers_are_forked_from_one_zygote_with_their_own_streams_env_and_group
         assert seen["torch"] and seen["ray"], "the zygote imported torch and Ray's module before forking"
         assert (seen["x"], seen["cwd"], seen["argv"]) == ("first", str(tmp_path), ["--node-id=node1", "--flag=1"])
         assert seen["path0"] == str(worker_py.parent)  # as `python default_worker.py` would have it
+        fresh = subprocess.run([sys.executable, str(worker_py)], capture_output=True, text=True, cwd=tmp_path)
+        assert seen["signals"] == json.loads(fresh.stdout.splitlines()[0])["signals"], seen  # a fresh one's
         assert "to stderr" in err  # the client's own streams, handed over
         code2, seen2, _, _ = _run(cmd, worker_py, tmp_path, X="second")
         assert code2 == 0 and seen2["x"] == "second"

@@ -19,7 +19,8 @@ it met only the schedule's first, dense faults, one every 4-7 s, and never all f
                   The node's capacity returns NODE_BACK_S later.
 
 - unbroken: a job through the supervisor (launch_supervisor), in-memory snapshots every step, no
-  spares; dp shrinks on a loss and grows back when capacity returns.
+  spares; dp shrinks on a loss and grows back when capacity returns. Its workers are forked from each
+  node's zygote (resources.fork_workers, the default since 2026-11-29: workers.zygote).
 - unbroken+spare: the same with resources.spares: 1 (a warm replica outside the group takes a lost
   rank's place at the next generation, so dp does not shrink while it lasts).
 - raytrain: Ray Train V2 TorchTrainer, 4 workers, gloo, a DCP checkpoint reported every step,

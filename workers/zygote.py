@@ -39,7 +39,7 @@ import time
 import traceback
 from typing import Any
 
-from workers.zygote_client import socket_name
+from workers.zygote_client import alive, socket_name
 
 FORKED_ENV = "UNBROKEN_FORKED_FROM"  # set in each child: the zygote's pid (Worker.info says it was forked)
 CLIENT_ENV = "UNBROKEN_FORK_CLIENT"  # and the pid of the client that stands in for it (the process Ray started)
@@ -133,18 +133,6 @@ def _import_ray() -> None:
     import ray  # noqa: F401
 
 
-def _raylet_alive(pid: int) -> bool:
-    if pid <= 0:
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def serve(name: str, raylet_pid: int, idle_s: float = IDLE_S) -> int:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -168,7 +156,7 @@ def serve(name: str, raylet_pid: int, idle_s: float = IDLE_S) -> int:
     signal.signal(signal.SIGCHLD, lambda _n, _f: None)
     clients: dict[int, socket.socket] = {}  # child pid -> its client's connection
     last = time.monotonic()
-    while _raylet_alive(raylet_pid) and (clients or time.monotonic() - last < idle_s):
+    while alive(raylet_pid) and (clients or time.monotonic() - last < idle_s):
         ready, _, _ = select.select([listener, wake_r], [], [], 0.5)
         if wake_r in ready:
             with contextlib.suppress(BlockingIOError):

@@ -25,6 +25,7 @@ import struct
 import subprocess
 import sys
 import time
+from typing import NoReturn
 
 CONNECT_WAIT_S = 10.0  # a zygote started now binds its name within this (its imports come after)
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
@@ -111,16 +112,25 @@ def _lines(s: socket.socket):  # type: ignore[no-untyped-def]
         buf += chunk
 
 
-def _become_python(rest: list[str]) -> None:
+def _become_python(rest: list[str]) -> NoReturn:
     os.execv(sys.executable, [sys.executable, *rest])
 
 
+def alive(pid: int) -> bool:
+    """Whether process `pid` exists (a pid of 0 or less: unknown, taken as alive)."""
+    if pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
 def _wait_gone(pid: int) -> None:
-    while True:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
+    while alive(pid):
         time.sleep(0.1)
 
 
@@ -131,7 +141,6 @@ def main(argv: list[str]) -> None:
     s = _zygote(key, rest)
     if s is None:
         _become_python(rest)
-    assert s is not None
     request = json.dumps({"argv": rest, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
     try:
         socket.send_fds(s, [struct.pack("!Q", len(request))], [0, 1, 2])

@@ -34,7 +34,6 @@ from examples.user_cluster import UNBROKEN, RayStartCluster, Serve, manifest_sta
 from service.local_cluster import KEEP_RAY_LOGS_ENV
 from tests.control_plane import until
 from tests.runtime.jobs import paced
-from workers.zygote import FORKED_ENV
 
 DATA = "/usr/lib/python3.11/json"  # a few UTF-8 files every machine with Python has
 STEPS = 12
@@ -196,7 +195,10 @@ def _sigterm_a_worker(cluster: RayStartCluster, client: Any, job_id: str) -> Non
     pids = cluster.pids_running("b", "Worker")
     assert pids, "no worker process on node b"
     # Forked by the job's zygote on that node (resources.fork_workers, the default: workers.zygote).
-    assert f"{FORKED_ENV}=".encode() in Path(f"/proc/{pids[0]}/environ").read_bytes(), pids[0]
+    # (/proc/PID/environ shows the environment a process was exec'd with: a fork's is its zygote's.)
+    stat = Path(f"/proc/{pids[0]}/stat").read_text()
+    parent = int(stat[stat.rindex(")") + 2:].split()[1])
+    assert "workers.zygote" in Path(f"/proc/{parent}/cmdline").read_bytes().decode(), (pids[0], parent)
     os.kill(pids[0], signal.SIGTERM)
     until(lambda: pids[0] not in cluster.pids_running("b", "Worker"), 30, "the worker ending on its SIGTERM")
 

@@ -51,7 +51,7 @@ from workers.protocol import (
 from workers.train_loop import LoopHooks, train
 from workers.warmup import freeze_heap, import_engine, warm_up
 from workers.worker_tiers import Tiers, checkpoint_root, is_collective_error
-from workers.zygote import FORKED_ENV
+from workers.zygote import CLIENT_ENV, FORKED_ENV
 
 log = logging.getLogger("unbroken.worker")
 
@@ -137,6 +137,8 @@ class Worker:
             "rank": self.rank, "world_size": self.world_size, "phase": self.phase, "step": self.step,
             "replica": self.opts.replica, "local": self.opts.local,
             "forked": bool(os.environ.get(FORKED_ENV)),  # from its node's zygote (workers.zygote)
+            # the process Ray started, which stands in for a forked worker (the worker's own pid otherwise)
+            "ray_pid": int(os.environ.get(CLIENT_ENV) or self.pid),
         }
 
     def warm(self) -> dict[str, Any]:

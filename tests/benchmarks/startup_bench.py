@@ -104,7 +104,6 @@ def replacement_cpu(fork: bool) -> tuple[float, bool]:
     from service.local_cluster import LocalCluster
     from tests.benchmarks import goodput_bench as gb
     from tests.runtime.jobs import JobRun, worker_infos
-    from workers.zygote import CLIENT_ENV
 
     with tempfile.TemporaryDirectory(prefix="startup_bench_") as d, \
             LocalCluster(head_cpus=gb.NODE_CPUS, object_store_mb=300) as cluster:  # fmt: skip
@@ -134,10 +133,10 @@ def replacement_cpu(fork: bool) -> tuple[float, bool]:
                     break
                 time.sleep(0.1)
             new = next(i for i in worker_infos(run.job_id) if int(i["pid"]) not in old)
-            pid = int(new["pid"])
-            env = dict(x.split("=", 1) for x in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in x)
-            client = int(env.get(CLIENT_ENV, 0))
-            cpu = _cpu_s(pid) + (_cpu_s(client) if client else 0.0)
+            # The worker's os.environ, not /proc/PID/environ: that file shows a fork's exec-time
+            # environment (its zygote's), so it never names the client.
+            pid, client = int(new["pid"]), int(new["ray_pid"])
+            cpu = _cpu_s(pid) + (_cpu_s(client) if client != pid else 0.0)
             return cpu, bool(new.get("forked"))
         finally:
             run.finish()

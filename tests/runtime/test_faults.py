@@ -132,7 +132,11 @@ def test_sigterm_ends_a_worker_and_the_group_reforms(reference: list[dict[str, A
         ranks = [int(i["pid"]) for i in worker_infos(run.job_id) if i["phase"] == "training"]
         # Each forked from the node's zygote (resources.fork_workers, on by default), in a process group
         # of its own: Ray ends a worker's whole group, which must not take its siblings.
-        assert all(i["forked"] for i in worker_infos(run.job_id)), worker_infos(run.job_id)
+        infos = worker_infos(run.job_id)
+        assert all(i["forked"] for i in infos), infos
+        # Each is stood in for by the client Ray started (`ray_pid`), which is what Ray's tools show.
+        assert all(i["ray_pid"] != i["pid"] and "zygote_client" in
+                   Path(f"/proc/{i['ray_pid']}/cmdline").read_bytes().decode() for i in infos), infos
         assert all(os.getpgid(p) == p for p in ranks), [(p, os.getpgid(p)) for p in ranks]
         lowered = {p: n for p in ranks if (n := _lowered_threads(p))}
         assert ranks and not lowered, f"threads of training ranks at a raised nice value: {lowered}"

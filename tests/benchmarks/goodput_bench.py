@@ -7,7 +7,7 @@ shards per step), same machine and a private 2-node LocalCluster (head + "b", 1 
 wants whole; ranks of 0.33 CPU: three a node, so the 4 ranks fit with room for one more, which only the
 spare arm uses on purpose, and a node loss leaves room for 3). Each framework runs the job
 fault-free, then with faults fired from outside, at times drawn from one seeded schedule (exponential
-gaps, mean MEAN_GAP_S, counted from the run's first step). The job is the demo's so that its 300 steps last
+gaps, mean MEAN_GAP_S, counted from the run's first step), then fault-free again (all but Ray Train). The job is the demo's so that its 300 steps last
 long enough to meet that rate: about 90 s fault-free on this VM's 2 cores, in which seed 2026 fires 6
 faults of all four kinds (before e311bab, 2026-11-28, the job was a dim-64 x 2 model whose 300 steps lasted 15-20 s:
 it met only the schedule's first, dense faults, one every 4-7 s, and never all four kinds):
@@ -37,8 +37,8 @@ it met only the schedule's first, dense faults, one every 4-7 s, and never all f
 Per framework: ETTR = the fault-free time of the faulty run's steps / its wall (first to last completed
 step). A step's fault-free time depends on how many ranks did it: on 2 cores, 3 ranks step faster than 4
 (ours after a shrink; TorchFT after dropping a replica). So each step counts at its width: the
-fault-free run's mean step time at the full width, and at each narrower width the faulty run did steps
-at, the mean of a fault-free run held at that width (ours: resources.dp fixed there; TorchFT: that many
+mean step time of the fault-free runs before and after the faulty one at the full width (full_width_s),
+and at each narrower width the faulty run did steps at, the mean of a fault-free run held at that width (ours: resources.dp fixed there; TorchFT: that many
 replica groups, each its usual data shard), run after the faulty one. (Before 2026-11-28 the narrower
 widths were timed by the faulty run's own steps there, which counted the slowdown beside replacement
 workers' start-up as work.) Steps lost
@@ -129,6 +129,8 @@ class Arm:
     faulty: Outcome
     note: str
     at_width: dict[int, float] = field(default_factory=dict)  # fault-free step s of runs held at a narrower width
+    # The same fault-free run again, right after the faulty one (not for Ray Train): see full_width_s.
+    free_after: Outcome | None = None
 
 
 class Injector:
@@ -208,10 +210,19 @@ def narrower_widths(faulty: Outcome) -> list[int]:
     return sorted({w for w, _ in faulty.widths or [] if w < WORLD})
 
 
+def full_width_s(arm: Arm) -> float:
+    """The fault-free step time at WORLD: the mean of the fault-free runs before and after the faulty
+    one. This VM's share of its host drifts within a run (on 2026-11-29 a fault-free run on a faster
+    share than the faulty run after it put 2-3% a step into "lost" time); timing the baseline on both
+    sides of the faulty run cancels a steady drift."""
+    runs = [arm.free] + ([arm.free_after] if arm.free_after else [])
+    return sum(step_s(r) for r in runs) / len(runs)
+
+
 def productive_s(arm: Arm) -> tuple[float, dict[int, float]]:
     """The fault-free time of the faulty run's steps, each at the width it ran at, and the step time
-    used per width: the fault-free run's mean at WORLD, a fault-free run's held there below it."""
-    per = {**arm.at_width, WORLD: step_s(arm.free)}
+    used per width: the fault-free runs' mean at WORLD (full_width_s), a fault-free run's held there below it."""
+    per = {**arm.at_width, WORLD: full_width_s(arm)}
     widths = arm.faulty.widths or [(WORLD, 0)] * len(arm.faulty.steps)
     return sum(per[w] for w, _ in widths[1:]), per
 
@@ -465,6 +476,10 @@ def measure(names: list[str], faults: list[Fault], tmp: Path | None = None) -> t
                 for line in faulty.detail:
                     print(f"    {line[:300]}", flush=True)
                 arm = Arm(free, faulty, note)
+                if name != "raytrain":  # its fault-free run lasts ~10 min and its ETTR is ~0.25: drift is noise there
+                    arm.free_after, _ = runners[name](root / f"{name}-free-after", [], None)
+                    print(f"  {name}: fault-free again {arm.free_after.wall_s:.1f}s "
+                          f"({step_s(free):.3f} then {step_s(arm.free_after):.3f}s a step)", flush=True)
                 fam = family.get(name)
                 for w in narrower_widths(faulty) if fam else []:
                     if (fam, w) not in measured:
@@ -498,6 +513,9 @@ def report(res: dict[str, Arm], why: dict[str, str], faults: list[Fault]) -> dic
         # The fault-free time of the work the faulty run got done (all of it, unless it hit the cap),
         # each step at the width it ran at.
         e, per_fault, per = ettr_of(arm)
+        if arm.free_after:
+            note = (f"{note}; fault-free step s at {WORLD} before / after the faulty run: "
+                    f"{step_s(free):.3f} / {step_s(arm.free_after):.3f}").lstrip("; ")
         if len(per) > 1:
             note = (f"{note}; fault-free step s by width: "
                     + ", ".join(f"{w}: {t:.3f}" for w, t in sorted(per.items(), reverse=True))).lstrip("; ")

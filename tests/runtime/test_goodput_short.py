@@ -40,7 +40,8 @@ def test_goodput_short(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     free, faulty = arm.free, arm.faulty
     assert faulty.fired, f"no fault landed in a {faulty.wall_s:.1f}s run: {out[-2000:]}"
     assert any(line.startswith("recovered:") for line in faulty.detail), faulty.detail
-    for outcome in (free, faulty):
+    assert arm.free_after is not None  # the baseline is timed on both sides of the faulty run
+    for outcome in (free, faulty, arm.free_after):
         assert [s for s, _, _ in outcome.steps] == list(range(1, STEPS + 1))
     worst = max(abs(a - b) for (_, _, a), (_, _, b) in zip(faulty.steps, free.steps, strict=True))
     assert worst <= 1e-4, f"losses differ from the fault-free run by up to {worst:.2e}"

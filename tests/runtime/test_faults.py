@@ -60,6 +60,10 @@ def _check_recovered(run: JobRun, ref: list[dict[str, Any]], *, resizes: list[tu
         assert ev["data"]["lost_steps"] <= 1, ev
         for k in ("detect_s", "reform_s", "restore_s", "replay_s"):
             assert k in ev["data"]
+        # and where the ranks spent it, the slowest rank's figure per phase (restore's own parts too)
+        phases = ev["data"]["rank_phases"]
+        assert {"join_s", "build_s", "tiers_s", "restore_s", "load_s"} <= set(phases), phases
+        assert phases["restore_s"] == round(ev["data"]["restore_s"], 4), (phases, ev["data"])
         assert ev["data"]["in_place_ranks"] == [], ev  # a new dp: every rank builds its model anew
         # It ends at its generation's first completed step, however many rows came in one batch.
         firsts = [r["step"] for r in run.rows() if r["generation"] == ev["data"]["generation"]]

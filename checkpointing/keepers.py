@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Collection
 from typing import Any
 
 import ray
@@ -126,8 +127,8 @@ def _call_all(
     return results, errors
 
 
-def required_copies(keepers: dict[str, ActorHandle]) -> int:
-    """Two copies when there are two or more keepers (nodes), else one."""
+def required_copies(keepers: Collection[str]) -> int:
+    """Two copies when there are two or more keepers (nodes, by name), else one."""
     return min(2, len(keepers))
 
 
@@ -166,14 +167,33 @@ def commit_snapshot(
     its ack fails the commit (raised), and the caller asks again without it.
     """
     if held_by is not None:
-        results: dict[str, list[int]] = {n: [] for n in keepers}
-        for r, nodes in held_by.items():
-            for n in set(nodes) & set(keepers):
-                results[n].append(r)
+        held = held_on(keepers, held_by)
     else:  # each keeper answers for this snapshot only (its ring share): the cost grows with the nodes
-        results, _errors = _call_all(keepers, "held", job_id, generation, step)
+        held, _errors = _call_all(keepers, "held", job_id, generation, step)
+    nodes = commit_nodes(held, job_id, step, world_size, min_copies)
+    if nodes is None:
+        return False
+    ray.get([keepers[n].commit.remote(job_id, generation, step) for n in nodes], timeout=30)
+    return True
+
+
+def held_on(keepers: dict[str, ActorHandle], held_by: dict[int, list[str]]) -> dict[str, list[int]]:
+    """{node: ranks whose shard its keeper holds} from the ranks' acks (rank -> nodes), over `keepers`."""
+    held: dict[str, list[int]] = {n: [] for n in keepers}
+    for r, nodes in held_by.items():
+        for n in set(nodes) & set(keepers):
+            held[n].append(r)
+    return held
+
+
+def commit_nodes(held: dict[str, list[int]], job_id: str, step: int, world_size: int,
+                 min_copies: int | None = None) -> list[str] | None:  # fmt: skip
+    """The nodes whose keepers mark a snapshot committed, given what each live keeper holds of it
+    (`held`: {node: ranks}, the keepers that answered), or None while some rank's shard lacks enough
+    copies (commit_snapshot's rule). Sends nothing: a caller that must not wait for the keepers' answers
+    (the supervisor's watch loop) sends the commits itself."""
     copies: dict[int, int] = {}
-    for ranks in results.values():
+    for ranks in held.values():
         for r in ranks:
             copies[r] = copies.get(r, 0) + 1
     extra = sorted(r for r in copies if r >= world_size)
@@ -184,12 +204,10 @@ def commit_snapshot(
         )
     # Copies on the keepers that answered: a dead keeper (killed, its node alive) must not stop every
     # commit until the next re-form replaces it; with one keeper left, one copy is all there can be.
-    need = required_copies({n: keepers[n] for n in results}) if min_copies is None else min_copies
-    if not results or any(copies.get(r, 0) < need for r in range(world_size)):
-        return False
-    nodes = sorted(n for n, ranks in results.items() if ranks)
-    ray.get([keepers[n].commit.remote(job_id, generation, step) for n in nodes], timeout=30)
-    return True
+    need = required_copies(held) if min_copies is None else min_copies
+    if not held or any(copies.get(r, 0) < need for r in range(world_size)):
+        return None
+    return sorted(n for n, ranks in held.items() if ranks)
 
 
 def committed_snapshots(keepers: dict[str, ActorHandle], job_id: str) -> list[SnapshotId]:

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from service.supervisor.context import JobFailed, JobRun
@@ -25,7 +26,42 @@ log = logging.getLogger("unbroken.supervisor")
 # What the keepers hold: {(generation, step): (world size, {rank: [nodes]})}.
 Held = dict[tuple[int, int], tuple[int, dict[int, list[str]]]]
 KEEPER_WATCH_S = 1.0  # how often the watch loop pings the keepers between re-forms
+_COMMIT_WAIT_S = 0.02  # a commit waits this long for the keepers' answers; later ones are read next time
+_ROUND_GIVE_UP_S = 30.0  # a keeper that has not answered a commit's call by then counts as failed
 _KEEPER_START_S = 10.0  # a keeper started again that does not answer by then is given up (its node is going)
+
+
+@dataclass
+class _Round:
+    """One round of calls to the keepers about snapshot `key`: which shards they hold ("held"), or
+    mark it committed ("commit"). Read without blocking the watch loop."""
+
+    kind: str
+    key: tuple[int, int]
+    calls: dict[str, Any]  # node -> ObjectRef
+    sent: float = field(default_factory=time.monotonic)
+
+    def answers(self, wait_s: float) -> dict[str, Any] | None:
+        """{node: its answer, or the exception it raised} once every keeper answered (a keeper silent for
+        _ROUND_GIVE_UP_S counts as failed); None before."""
+        import ray
+
+        refs = list(self.calls.values())
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s)
+        if len(done) < len(refs) and time.monotonic() - self.sent < _ROUND_GIVE_UP_S:
+            return None
+        out: dict[str, Any] = {}
+        for node, ref in self.calls.items():
+            try:
+                out[node] = ray.get(ref, timeout=0)
+            except Exception as e:  # noqa: BLE001 - a dead, fenced or silent keeper: the caller decides
+                out[node] = e
+        return out
+
+
+def first_error(failed: dict[str, Exception]) -> str:
+    e = next(iter(failed.values()))
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
 class SnapshotCommitter:
@@ -43,6 +79,8 @@ class SnapshotCommitter:
         self._pinged_at = 0.0
         self._restarting: dict[str, Any] = {}  # node -> keeper handle started again, once it answered
         self._restart_threads: dict[str, threading.Thread] = {}
+        self._round: _Round | None = None  # the commit's calls to the keepers in flight (commit)
+        self._asked_about: tuple[int, int] | None = None  # the last snapshot the keepers were asked about
 
     def on_ack(self, generation: int, step: int, rank: int, world_size: int, ok: bool,
                acked: list[str] | None = None) -> None:  # fmt: skip
@@ -173,34 +211,83 @@ class SnapshotCommitter:
 
     def commit(self) -> None:
         """Commit the newest snapshot every rank has acknowledged, up to the last metrics row written
-        (to metrics.jsonl and the store: Reporter.committable_step)."""
+        (to metrics.jsonl and the store: Reporter.committable_step).
+
+        Never waits on a keeper for more than _COMMIT_WAIT_S: the watch loop calls this, and a keeper on
+        a node just lost may not answer for seconds (until Ray learns the node is gone), while that loop
+        is what finds the loss (goodput_bench, 2026-11-29: a commit blocked on the lost node's keeper
+        delayed a node loss's detection to 1.9 s). One round of calls is in flight at a time; its answers
+        are read on later calls."""
         self.reporter.flush_metrics()
+        if self._round is not None and not self._read_round():
+            return
         with self.run.lock:
             ready = sorted((k for k, v in self._acks.items()
                             if len(v["ranks"]) >= v["world"] and k[1] <= self.reporter.committable_step),
                            reverse=True)
         if not ready or not self.keepers:
             return
-        from checkpointing.keepers import commit_snapshot
+        from checkpointing.keepers import commit_nodes, held_on
 
-        for key in ready:
+        for key in ready:  # the newest the acks show held enough (one round: the commit)
             acks = self._acks[key]
-            ok = False
-            for held_by in (acks["held"], None):  # by the acks (one round); failing that, ask the keepers
-                try:
-                    ok = commit_snapshot(self.keepers, self.run.job_id, key[0], key[1], acks["world"],
-                                         held_by=held_by)
-                except Exception as e:  # noqa: BLE001 - an uncommitted snapshot only costs steps
-                    log.warning("commit of snapshot %s failed: %s", key, e)
-                if ok:
-                    break
-            if ok:
-                with self.run.lock:
-                    self.committed = key
-                    self.ever_committed = True
-                    for k in [k for k in self._acks if k <= key]:
-                        self._acks.pop(k)
+            try:
+                nodes = commit_nodes(held_on(self.keepers, acks["held"]), self.run.job_id, key[1], acks["world"])
+            except ValueError as e:
+                log.warning("commit of snapshot %s: %s", key, e)
+                continue
+            if nodes is not None:
+                self._send("commit", key, nodes)
                 return
+        if ready[0] != self._asked_about:  # the acks show too few copies: ask the keepers what they hold
+            self._asked_about = ready[0]
+            self._send("held", ready[0], list(self.keepers))
+
+    def _send(self, kind: str, key: tuple[int, int], nodes: list[str]) -> None:
+        if not nodes:
+            return
+        calls = {n: getattr(self.keepers[n], kind).remote(self.run.job_id, key[0], key[1]) for n in nodes}
+        self._round = _Round(kind, key, calls)
+        self._read_round()
+
+    def _read_round(self) -> bool:
+        """Take the round in flight's answers if they are all in (waiting _COMMIT_WAIT_S at most);
+        returns whether none is in flight now."""
+        r = self._round
+        assert r is not None
+        answers = r.answers(_COMMIT_WAIT_S)
+        if answers is None:
+            return False
+        self._round = None
+        failed = {n: a for n, a in answers.items() if isinstance(a, Exception)}
+        with self.run.lock:
+            acks = self._acks.get(r.key)
+        if r.kind == "commit":
+            if failed:  # a keeper died since its ack: ask the keepers that live what they hold
+                log.warning("commit of snapshot %s failed on %s: %s", r.key, sorted(failed), first_error(failed))
+                if acks is not None:
+                    self._send("held", r.key, list(self.keepers))
+                return self._round is None
+            with self.run.lock:
+                if self.committed is None or r.key > self.committed:
+                    self.committed = r.key
+                self.ever_committed = True
+                for k in [k for k in self._acks if k <= r.key]:
+                    self._acks.pop(k)
+            return True
+        if acks is None:  # committed since, or fenced: nothing to do with the answers
+            return True
+        from checkpointing.keepers import commit_nodes
+
+        held = {n: a for n, a in answers.items() if not isinstance(a, Exception)}
+        try:
+            nodes = commit_nodes(held, self.run.job_id, r.key[1], acks["world"])
+        except ValueError as e:
+            log.warning("commit of snapshot %s: %s", r.key, e)
+            return True
+        if nodes is not None:
+            self._send("commit", r.key, nodes)
+        return self._round is None
 
     def restore_target(self) -> dict[str, Any]:
         """The committed snapshot a new generation restores ({"step": None, ...} when there is none).
@@ -292,6 +379,8 @@ class SnapshotCommitter:
         with self.run.lock:
             for k in [k for k in self._acks if k[0] < generation]:
                 self._acks.pop(k)
+        if self._round is not None and self._round.key[0] < generation:
+            self._round = None  # its answers no longer matter (a keeper refuses an older generation's commit)
         if not self.keepers:
             return
         from checkpointing.keepers import fence_job

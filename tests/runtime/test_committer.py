@@ -62,6 +62,15 @@ def _snapshot(keepers: dict[str, Any], step: int) -> list[str]:
     return list(res.acked)
 
 
+def _acked_on_both(tmp_path: Path, keepers: dict[str, Any], step: int) -> SnapshotCommitter:
+    """A committer that holds rank 0's ack of step `step`, sent to both keepers."""
+    acked = _snapshot(keepers, step)
+    assert sorted(acked) == ["b", "head"]
+    committer = _committer(tmp_path, keepers)
+    committer.on_ack(0, step, 0, 1, True, acked)
+    return committer
+
+
 def _committed_on(keepers: dict[str, Any]) -> dict[str, list[tuple[int, int]]]:
     reports = memory_reports(keepers)
     return {n: [tuple(c) for c in r["jobs"].get(JOB, {}).get("committed", [])] for n, r in reports.items()}
@@ -77,10 +86,7 @@ def _until_committed(committer: SnapshotCommitter, key: tuple[int, int]) -> None
 
 @pytest.mark.timeout(300)
 def test_a_keeper_that_does_not_answer_holds_up_no_commit_call(keepers: dict[str, Any], tmp_path: Path) -> None:
-    acked = _snapshot(keepers, 1)
-    assert sorted(acked) == ["b", "head"]
-    committer = _committer(tmp_path, keepers)
-    committer.on_ack(0, 1, 0, 1, True, acked)
+    committer = _acked_on_both(tmp_path, keepers, 1)
     pid = ray.get(keepers["b"].__ray_call__.remote(lambda _self: os.getpid()))
     os.kill(pid, signal.SIGSTOP)
     try:
@@ -95,10 +101,7 @@ def test_a_keeper_that_does_not_answer_holds_up_no_commit_call(keepers: dict[str
 
 @pytest.mark.timeout(300)
 def test_a_keeper_dead_since_the_acks_is_left_out_of_the_commit(keepers: dict[str, Any], tmp_path: Path) -> None:
-    acked = _snapshot(keepers, 2)
-    assert sorted(acked) == ["b", "head"]
-    committer = _committer(tmp_path, keepers)
-    committer.on_ack(0, 2, 0, 1, True, acked)
+    committer = _acked_on_both(tmp_path, keepers, 2)
     ray.kill(keepers["b"], no_restart=True)
     _until_committed(committer, (0, 2))  # the live keeper is asked what it holds: one copy of one node
     assert (0, 2) in _committed_on({"head": keepers["head"]})["head"]

@@ -115,7 +115,12 @@ def _call_all(
     keepers: dict[str, ActorHandle], method: str, *args: Any, timeout_s: float = 30.0
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """Call a method on every keeper; returns ({node: result}, {node: why it failed})."""
-    refs = {node: getattr(h, method).remote(*args) for node, h in keepers.items()}
+    return read_answers({node: getattr(h, method).remote(*args) for node, h in keepers.items()}, timeout_s)
+
+
+def read_answers(refs: dict[str, Any], timeout_s: float) -> tuple[dict[str, Any], dict[str, str]]:
+    """The keepers' answers to calls in flight ({node: ObjectRef}), waiting up to timeout_s for all;
+    returns ({node: result}, {node: why it failed}): a late answer counts as failed."""
     results: dict[str, Any] = {}
     errors: dict[str, str] = {}
     ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)

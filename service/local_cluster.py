@@ -216,6 +216,12 @@ def _workers_of_raylet(raylet_pid: int) -> list[int]:
     return out
 
 
+def parent_pid(pid: int) -> int:
+    """Process `pid`'s parent (Linux /proc; raises OSError when it is gone)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2:].split()[1])  # after the command name, which may hold spaces
+
+
 def _descendants(roots: list[int]) -> list[int]:
     """`roots` and every process below them (Linux /proc)."""
     children: dict[int, list[int]] = {}
@@ -223,11 +229,9 @@ def _descendants(roots: list[int]) -> list[int]:
         if not entry.isdigit():
             continue
         try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
+            children.setdefault(parent_pid(int(entry)), []).append(int(entry))
         except OSError:
             continue
-        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
     out, todo = [], list(roots)
     while todo:
         pid = todo.pop()

@@ -41,27 +41,18 @@ class _Round:
     calls: dict[str, Any]  # node -> ObjectRef
     sent: float = field(default_factory=time.monotonic)
 
-    def answers(self, wait_s: float) -> dict[str, Any] | None:
-        """{node: its answer, or the exception it raised} once every keeper answered (a keeper silent for
+    def answers(self, wait_s: float) -> tuple[dict[str, Any], dict[str, str]] | None:
+        """({node: answer}, {node: why it failed}) once every keeper answered (one silent for
         _ROUND_GIVE_UP_S counts as failed); None before."""
         import ray
+
+        from checkpointing.keepers import read_answers
 
         refs = list(self.calls.values())
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s)
         if len(done) < len(refs) and time.monotonic() - self.sent < _ROUND_GIVE_UP_S:
             return None
-        out: dict[str, Any] = {}
-        for node, ref in self.calls.items():
-            try:
-                out[node] = ray.get(ref, timeout=0)
-            except Exception as e:  # noqa: BLE001 - a dead, fenced or silent keeper: the caller decides
-                out[node] = e
-        return out
-
-
-def first_error(failed: dict[str, Exception]) -> str:
-    e = next(iter(failed.values()))
-    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        return read_answers(self.calls, 0)
 
 
 class SnapshotCommitter:
@@ -259,12 +250,12 @@ class SnapshotCommitter:
         if answers is None:
             return False
         self._round = None
-        failed = {n: a for n, a in answers.items() if isinstance(a, Exception)}
+        held, failed = answers
         with self.run.lock:
             acks = self._acks.get(r.key)
         if r.kind == "commit":
             if failed:  # a keeper died since its ack: ask the keepers that live what they hold
-                log.warning("commit of snapshot %s failed on %s: %s", r.key, sorted(failed), first_error(failed))
+                log.warning("commit of snapshot %s failed: %s", r.key, failed)
                 if acks is not None:
                     self._send("held", r.key, list(self.keepers))
                 return self._round is None
@@ -279,7 +270,6 @@ class SnapshotCommitter:
             return True
         from checkpointing.keepers import commit_nodes
 
-        held = {n: a for n, a in answers.items() if not isinstance(a, Exception)}
         try:
             nodes = commit_nodes(held, self.run.job_id, r.key[1], acks["world"])
         except ValueError as e:

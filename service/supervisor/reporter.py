@@ -340,10 +340,10 @@ class Reporter:
         with self.run.lock:
             formed = dict(self.run.formed)
         t_formed = max((m.time for m in formed.values()), default=now)
-        restore_s = max((float(m.timings.get("restore_s", 0.0)) for m in formed.values()), default=0.0)
         # Where the re-form went on the ranks (join, build, tiers, restore and its parts): the slowest rank's.
-        phases = {k: round(max(float(m.timings.get(k, 0.0)) for m in formed.values()), 4)
+        phases = {k: max(float(m.timings.get(k, 0.0)) for m in formed.values())
                   for k in sorted({k for m in formed.values() for k in m.timings})}
+        restore_s = phases.get("restore_s", 0.0)
         restored = min((int(m.restored.get("step", 0)) for m in formed.values()), default=0)
         sources = sorted({str(m.restored.get("source")) for m in formed.values()})
         fallback = sorted({str(m.restored["fallback_reason"]) for m in formed.values()
@@ -382,7 +382,7 @@ class Reporter:
             generation=rec.generation, kind=rec.kind, restored_step=restored, source=sources,
             last_step=rec.last_step, lost_steps=lost,
             detect_s=detect_s, reform_s=reform_s, restore_s=restore_s, replay_s=replay_s, total_s=total,
-            rank_phases=phases,
+            rank_phases={k: round(v, 4) for k, v in phases.items()},
             first_step=row["step"], fallback_reason=fallback[0] if fallback else None, in_place_ranks=kept,
             interrupted=rec.interrupted,
         )

@@ -7,8 +7,8 @@ shards per step), same machine and a private 2-node LocalCluster (head + "b", 1 
 wants whole; ranks of 0.33 CPU: three a node, so the 4 ranks fit with room for one more, which only the
 spare arm uses on purpose, and a node loss leaves room for 3). Each framework runs the job
 fault-free, then with faults fired from outside, at times drawn from one seeded schedule (exponential
-gaps, mean MEAN_GAP_S, counted from the run's first step), then fault-free again (all but Ray Train). The job is the demo's so that its 300 steps last
-long enough to meet that rate: about 90 s fault-free on this VM's 2 cores, in which seed 2026 fires 6
+gaps, mean MEAN_GAP_S, counted from the run's first step), then fault-free again (all but Ray Train).
+The job is the demo's so that its 300 steps last long enough to meet that rate: about 90 s fault-free on this VM's 2 cores, in which seed 2026 fires 6
 faults of all four kinds (before e311bab, 2026-11-28, the job was a dim-64 x 2 model whose 300 steps lasted 15-20 s:
 it met only the schedule's first, dense faults, one every 4-7 s, and never all four kinds):
 
@@ -38,8 +38,9 @@ Per framework: ETTR = the fault-free time of the faulty run's steps / its wall (
 step). A step's fault-free time depends on how many ranks did it: on 2 cores, 3 ranks step faster than 4
 (ours after a shrink; TorchFT after dropping a replica). So each step counts at its width: the
 mean step time of the fault-free runs before and after the faulty one at the full width (full_width_s),
-and at each narrower width the faulty run did steps at, the mean of a fault-free run held at that width (ours: resources.dp fixed there; TorchFT: that many
-replica groups, each its usual data shard), run after the faulty one. (Before 2026-11-28 the narrower
+and at each narrower width the faulty run did steps at, the mean of a fault-free run held at that width
+(ours: resources.dp fixed there; TorchFT: that many replica groups, each its usual data shard), run
+after the faulty one. (Before 2026-11-28 the narrower
 widths were timed by the faulty run's own steps there, which counted the slowdown beside replacement
 workers' start-up as work.) Steps lost
 (ours: replayed steps; Ray Train: steps re-run after restarts; TorchFT: step attempts not committed),
@@ -477,7 +478,10 @@ def measure(names: list[str], faults: list[Fault], tmp: Path | None = None) -> t
                     print(f"    {line[:300]}", flush=True)
                 arm = Arm(free, faulty, note)
                 if name != "raytrain":  # its fault-free run lasts ~10 min and its ETTR is ~0.25: drift is noise there
-                    arm.free_after, _ = runners[name](root / f"{name}-free-after", [], None)
+                    # The fault-free run's own settings (TorchFT: the timeout its calibration chose, not a new one).
+                    after = root / f"{name}-free-after"
+                    arm.free_after = (run_torchft_width(after, WORLD) if name == "torchft"
+                                      else runners[name](after, [], None)[0])
                     print(f"  {name}: fault-free again {arm.free_after.wall_s:.1f}s "
                           f"({step_s(free):.3f} then {step_s(arm.free_after):.3f}s a step)", flush=True)
                 fam = family.get(name)

@@ -31,7 +31,7 @@ import httpx
 import pytest
 
 from examples.user_cluster import UNBROKEN, RayStartCluster, Serve, manifest_start_params
-from service.local_cluster import KEEP_RAY_LOGS_ENV
+from service.local_cluster import KEEP_RAY_LOGS_ENV, parent_pid
 from tests.control_plane import until
 from tests.runtime.jobs import paced
 
@@ -106,6 +106,8 @@ def _run_user_path(tmp: Path, cluster: RayStartCluster, *, second_job: bool, spa
         # that one step is replayed (the bound of in_memory_every: 1), never more.
         assert data["lost_steps"] <= 1, recovered[0].message
         assert "from memory" in recovered[0].message and "None" not in recovered[0].message
+        # Where the ranks' re-form went, through the SDK as the event carries it.
+        assert {"join_s", "build_s", "restore_s"} <= set(data["rank_phases"]), data
         if spare:
             _check_spare_swap(events, data)
         else:
@@ -196,8 +198,7 @@ def _sigterm_a_worker(cluster: RayStartCluster, client: Any, job_id: str) -> Non
     assert pids, "no worker process on node b"
     # Forked by the job's zygote on that node (resources.fork_workers, the default: workers.zygote).
     # (/proc/PID/environ shows the environment a process was exec'd with: a fork's is its zygote's.)
-    stat = Path(f"/proc/{pids[0]}/stat").read_text()
-    parent = int(stat[stat.rindex(")") + 2:].split()[1])
+    parent = parent_pid(pids[0])
     assert "workers.zygote" in Path(f"/proc/{parent}/cmdline").read_bytes().decode(), (pids[0], parent)
     os.kill(pids[0], signal.SIGTERM)
     until(lambda: pids[0] not in cluster.pids_running("b", "Worker"), 30, "the worker ending on its SIGTERM")

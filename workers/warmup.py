@@ -17,7 +17,7 @@ WARM_STEP_MAX_PARAMS = 50_000_000
 
 
 def import_engine() -> None:
-    """torch and the engine imported (about 1.8 CPU-s), at a low priority."""
+    """torch and the engine imported (about 2 CPU-s, torch._dynamo included), at a low priority."""
     at_low_priority(_import_engine, "import")
 
 
@@ -28,6 +28,9 @@ def _import_engine() -> None:
     import parallel.trainer  # noqa: F401
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    # A model's first parameter init imports torch._dynamo (torch._refs' normal_ is wrapped by it): 0.35-0.55
+    # CPU-s that each worker forked from a zygote would pay again in its warm-up, beside training ranks.
+    torch.empty(1, device="meta").normal_()
 
 
 def warm_up(cfg: Any, device: Any) -> dict[str, Any]:

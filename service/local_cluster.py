@@ -151,10 +151,13 @@ class LocalCluster:
             raise ValueError("killing the head node ends the cluster; kill a worker node instead")
         node = self.nodes.pop(name)
         assert self._cluster is not None
-        self._cluster.remove_node(node, allow_graceful=False)
-        for pid in self._frozen.pop(name, []):  # stopped processes do not exit when their raylet goes
+        # All at once, as a machine's loss: a worker forked by a job's zygote is no child of the raylet and
+        # would train on (its peers' collectives with it working) until it noticed its raylet gone, and a
+        # stopped (frozen) process does not exit when its raylet goes.
+        for pid in dict.fromkeys(_node_pids(node) + self._frozen.pop(name, [])):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        self._cluster.remove_node(node, allow_graceful=False)  # (and Ray's own bookkeeping of the node)
 
     def freeze_node(self, name: str) -> list[int]:
         """SIGSTOP every process of one node (its raylet, object store, and the workers and agents it
@@ -162,14 +165,7 @@ class LocalCluster:
         answers, so only silence tells. kill_node ends it. Returns the PIDs stopped."""
         if name == "head":
             raise ValueError("freezing the head node stops the cluster; freeze a worker node instead")
-        node = self.nodes[name]
-        roots = [info.process.pid for infos in node.all_processes.values() for info in infos
-                 if getattr(info, "process", None) is not None]
-        raylets = [info.process.pid for info in node.all_processes.get("raylet", [])
-                   if getattr(info, "process", None) is not None]
-        # A worker forked by a job's zygote (workers.zygote) is no descendant of the raylet; its
-        # environment names its raylet as every worker's does.
-        pids = list(dict.fromkeys(_descendants(roots + [p for r in raylets for p in _workers_of_raylet(r)])))
+        pids = _node_pids(self.nodes[name])
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGSTOP)
@@ -200,6 +196,17 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _node_pids(node: Any) -> list[int]:
+    """Every process of a node of this cluster: its raylet, object store and agents, what they started,
+    and the workers forked by a job's zygote (workers.zygote), no descendants of the raylet: their
+    environment names their raylet as every worker's does."""
+    roots = [info.process.pid for infos in node.all_processes.values() for info in infos
+             if getattr(info, "process", None) is not None]
+    raylets = [info.process.pid for info in node.all_processes.get("raylet", [])
+               if getattr(info, "process", None) is not None]
+    return list(dict.fromkeys(_descendants(roots + [p for r in raylets for p in _workers_of_raylet(r)])))
 
 
 def _workers_of_raylet(raylet_pid: int) -> list[int]:

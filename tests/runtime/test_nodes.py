@@ -19,7 +19,7 @@ import pytest
 
 from service.local_cluster import LocalCluster
 from tests.runtime.conftest import make_cluster
-from tests.runtime.jobs import JobRun, assert_no_leaks, assert_same_losses, paced, tiny_spec
+from tests.runtime.jobs import JobRun, assert_no_leaks, assert_same_losses, paced, tiny_spec, worker_infos
 
 STEPS = 60
 SLOW = paced(4, 0.4)  # time to grow
@@ -39,6 +39,7 @@ def test_a_spare_lost_with_its_node_is_not_swapped_in(nodes_cluster: LocalCluste
     s = s.model_copy(update={"resources": s.resources.model_copy(update={"spares": 1})})
     run = JobRun(s)
     killed: list[str] = []
+    alive: list[int] = []  # the lost node's workers still running right after kill_node returned
 
     def kill_the_spares_node(ev: dict[str, Any]) -> None:
         if ev["kind"] != "spares" or ev["data"].get("spares") != 1 or killed:
@@ -47,13 +48,18 @@ def test_a_spare_lost_with_its_node_is_not_swapped_in(nodes_cluster: LocalCluste
         while time.monotonic() < deadline and len(run.rows() if (tmp_path / "metrics.jsonl").exists() else []) < 2:
             time.sleep(0.2)  # a snapshot to recover from
         node = ev["data"]["nodes"][0]
+        on_node = [i["pid"] for i in worker_infos(run.job_id) if i["node_name"] == node]
         nodes_cluster.kill_node(node)
         killed.append(node)
+        # Every process of the node at once, as a machine's loss: also the workers forked by the job's
+        # zygote there, which are no children of its raylet (before, they trained on until they noticed).
+        alive.extend(p for p in on_node if _running(p))
 
     try:
         run.wait(timeout_s=400, on_event=kill_the_spares_node)
         assert run.status["state"] == "SUCCEEDED", run.events
         assert killed, run.kinds()
+        assert not alive, f"workers of the lost node still running after kill_node: {alive}"
         lost = run.of("spare_lost")
         assert lost and lost[0]["data"]["node"] == killed[0], [e["message"] for e in lost]
         assert not run.of("spare_swapped") and not run.of("recovery_interrupted"), run.kinds()
@@ -133,3 +139,19 @@ def test_below_dp_min_waits_then_fails_and_releases(nodes_cluster: LocalCluster,
     finally:
         run.finish()
     assert_no_leaks(run.job_id)
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` is a process that is neither gone, nor a zombie, nor on its way out (SIGKILL pending
+    for it, or the kernel's PF_EXITING set: a SIGKILLed process with a large heap takes a moment to exit)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    fields = stat[stat.rindex(")") + 2:].split()
+    pending = {k: int(v, 16) for k, v in (line.split(":\t") for line in status.splitlines()
+                                          if line.startswith(("SigPnd:", "ShdPnd:")))}
+    exiting = int(fields[6]) & 0x4  # PF_EXITING
+    sigkill = any(mask & (1 << 8) for mask in pending.values())  # signal 9's bit
+    return fields[0] not in ("Z", "X") and not exiting and not sigkill

@@ -87,7 +87,6 @@ class LocalCluster:
         self.temp_dir = temp_dir or tempfile.mkdtemp(prefix="ubray-", dir="/tmp")
         self._cluster: Cluster | None = None
         self.nodes: dict[str, Any] = {}
-        self._frozen: dict[str, list[int]] = {}  # node -> the PIDs freeze_node stopped
 
     @property
     def address(self) -> str:
@@ -153,8 +152,8 @@ class LocalCluster:
         assert self._cluster is not None
         # All at once, as a machine's loss: a worker forked by a job's zygote is no child of the raylet and
         # would train on (its peers' collectives with it working) until it noticed its raylet gone, and a
-        # stopped (frozen) process does not exit when its raylet goes.
-        for pid in dict.fromkeys(_node_pids(node) + self._frozen.pop(name, [])):
+        # stopped (freeze_node's) process does not exit when its raylet goes.
+        for pid in _node_pids(node):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         self._cluster.remove_node(node, allow_graceful=False)  # (and Ray's own bookkeeping of the node)
@@ -169,7 +168,6 @@ class LocalCluster:
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGSTOP)
-        self._frozen[name] = pids
         return pids
 
     def node_id(self, name: str) -> str:
@@ -223,10 +221,16 @@ def _workers_of_raylet(raylet_pid: int) -> list[int]:
     return out
 
 
+def stat_fields(pid: int) -> list[str]:
+    """/proc/PID/stat's fields after the command name (which may hold spaces): state, ppid, pgrp, session,
+    tty, tpgid, flags, ... (Linux; raises OSError when the process is gone)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2:].split()
+
+
 def parent_pid(pid: int) -> int:
     """Process `pid`'s parent (Linux /proc; raises OSError when it is gone)."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return int(stat[stat.rindex(")") + 2:].split()[1])  # after the command name, which may hold spaces
+    return int(stat_fields(pid)[1])
 
 
 def _descendants(roots: list[int]) -> list[int]:

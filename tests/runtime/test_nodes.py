@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from service.local_cluster import LocalCluster
+from service.local_cluster import LocalCluster, stat_fields
 from tests.runtime.conftest import make_cluster
 from tests.runtime.jobs import JobRun, assert_no_leaks, assert_same_losses, paced, tiny_spec, worker_infos
 
@@ -145,11 +145,10 @@ def _running(pid: int) -> bool:
     """Whether `pid` is a process that is neither gone, nor a zombie, nor on its way out (SIGKILL pending
     for it, or the kernel's PF_EXITING set: a SIGKILLed process with a large heap takes a moment to exit)."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        fields = stat_fields(pid)
         status = Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return False
-    fields = stat[stat.rindex(")") + 2:].split()
     pending = {k: int(v, 16) for k, v in (line.split(":\t") for line in status.splitlines()
                                           if line.startswith(("SigPnd:", "ShdPnd:")))}
     exiting = int(fields[6]) & 0x4  # PF_EXITING

@@ -283,10 +283,16 @@ class Trainer:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
         self.data.check_state(state.get("data", {}))
-        set_state_dict(
-            self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
-        )
-        self._live_state.drop()
+        if self._live_state.holds(self.optimizer, state["model"], state["optim"]):
+            # Loaded in place into the live tensors (a restore into `state_dict()`): only the optimizer's
+            # hyper-parameters, which DCP's load replaced in the dicts it was given, are left to set.
+            for live, loaded in zip(self.optimizer.param_groups, state["optim"]["param_groups"], strict=True):
+                live.update({k: v for k, v in loaded.items() if k != "params"})
+        else:
+            set_state_dict(
+                self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+            )
+            self._live_state.drop()
         self.step = int(state["step"])
         set_scheduler_step(self.scheduler, int(state.get("scheduler", {}).get("last_epoch", self.step)))
         rng = state.get("rng", {})

@@ -48,7 +48,7 @@ class LiveStateDict:
 
     def holds(self, optimizer: torch.optim.Optimizer, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> bool:
         """Whether every tensor of (model_sd, optim_sd) is a live one: each optimizer state the very tensor
-        `optimizer.state` holds for its parameter, each model entry that parameter's storage, with the
+        `optimizer.state` holds for its parameter, each model entry a view of exactly its elements, with the
         same names and nothing else. Then a state loaded into them in place needs no copying back."""
         kept = self._kept
         if kept is None or kept[0] is not optimizer.state or kept[1] != len(optimizer.state):
@@ -58,12 +58,13 @@ class LiveStateDict:
         groups = optim_sd.get("param_groups")
         if (model_sd.keys() != live_model.keys() or not isinstance(state, dict)
                 or state.keys() != live_optim["state"].keys() or not isinstance(groups, list)
-                or len(groups) != len(optimizer.param_groups)):
+                or not len(groups) == len(optimizer.param_groups) == len(live_optim["param_groups"])):
             return False
         covered = set()
         for live, mapped, loaded in zip(optimizer.param_groups, live_optim["param_groups"], groups, strict=True):
-            if not isinstance(loaded, dict) or list(loaded.get("params", ())) != list(mapped["params"]):
-                return False
+            if (not isinstance(loaded, dict) or list(loaded.get("params", ())) != list(mapped["params"])
+                    or len(live["params"]) != len(mapped["params"])):
+                return False  # e.g. a parameter group added since the mapping was built
             for param, name in zip(live["params"], mapped["params"], strict=True):
                 entries, now = state.get(name), optimizer.state.get(param)
                 if not isinstance(entries, dict) or now is None or entries.keys() != now.keys():

@@ -38,6 +38,8 @@ from torch.distributed.checkpoint.utils import find_state_dict_object
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
+from parallel.live_state import local_shard
+
 ALIGN = 64  # every tensor starts at a 64-byte boundary of the blob (dtype views need alignment)
 
 
@@ -121,10 +123,6 @@ def resolve(flat: dict[str, Any], item: WriteItem) -> Any:
     return obj.detach() if isinstance(obj, torch.Tensor) else obj
 
 
-def _local(v: torch.Tensor) -> torch.Tensor:
-    return v._local_tensor if isinstance(v, DTensor) else v
-
-
 class StagingPlan:
     """A snapshot's layout and the tensors it copies, kept while the state holds the same tensors.
 
@@ -191,7 +189,7 @@ class StagingPlan:
                         or tuple(v.shape) != shape or v.dtype != obj.dtype:
                     return None
                 out.append(i)
-            elif _local(v) is not local or local.data_ptr() != ptr or tuple(local.shape) != shape:
+            elif local_shard(v) is not local or local.data_ptr() != ptr or tuple(local.shape) != shape:
                 return None
         return out
 
@@ -200,7 +198,7 @@ def _seen_entry(v: Any) -> tuple[Any, Any, int, tuple[int, ...]]:
     """What StagingPlan compares a flat entry by on the next snapshot: object, local shard, storage, shape."""
     if not isinstance(v, torch.Tensor):
         return (None, None, 0, ())
-    local = _local(v)
+    local = local_shard(v)
     return (v, local, local.data_ptr(), tuple(local.shape))
 
 

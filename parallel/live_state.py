@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 class LiveStateDict:
@@ -78,9 +79,14 @@ class LiveStateDict:
         return covered == model_sd.keys()
 
 
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor itself (the object, no dispatch, unlike `to_local()`), else the tensor."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
 def _same_storage(a: Any, b: torch.Tensor) -> bool:
     """Whether tensor `a` views exactly `b`'s elements (their local shards, for DTensors)."""
     if not isinstance(a, torch.Tensor):
         return False
-    a, b = getattr(a, "_local_tensor", a), getattr(b, "_local_tensor", b)
+    a, b = local_shard(a), local_shard(b)
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()

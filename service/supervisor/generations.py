@@ -23,6 +23,7 @@ from service.supervisor.detection import Failure, FailureDetector, root_cause
 from service.supervisor.node_helpers import NodeHelpersAhead
 from service.supervisor.pool import LIVE, Replica, ReplicaPool, ReplicaState, Slot, spares_wanted
 from service.supervisor.reporter import Reporter
+from service.supervisor.spare_watch import SpareWatch
 from service.supervisor.words import first_line, plural, restore_phrase
 from workers import telemetry
 from workers.protocol import Heartbeat, RunResult, RunStatus
@@ -73,7 +74,7 @@ class Generations:
         self._spares_told: tuple[int, ...] | None = None  # the spares (replica indices) the last event named
         self.spares_now = 0  # spares ready beside the running group, as last counted (see with_spares)
         self._positions: dict[int, int] = {}  # replica index -> its dp position in the last generation
-        self._spares_checked = 0.0  # when the spares' heartbeats were last checked (monotonic)
+        self.spare_watch = SpareWatch(run, pool, reporter.event)  # dead or silent spares, dropped
         self.ahead = NodeHelpersAhead(run, agents, reporter.event)  # keepers and agents started where ready replicas wait
 
     def set_target(self, dp: int, reason: str) -> None:
@@ -284,7 +285,7 @@ class Generations:
         with resources.spares only): how many are ready of how many wanted, and on which nodes."""
         if not self.spares_wanted or not self.pool.count(ReplicaState.ACTIVE):
             return
-        self._drop_silent_spares()
+        self.spare_watch.check()
         spares = self.pool.spares()
         self.spares_now = len(spares)
         now = tuple(r.index for r in spares)
@@ -305,29 +306,6 @@ class Generations:
 
     def _group_nodes(self) -> set[str]:
         return {r.node_name for r in self.pool.in_state(ReplicaState.ACTIVE) if r.node_name}
-
-    def _drop_silent_spares(self) -> None:
-        """A spare whose worker stopped beating (died, hung, its node lost) for heartbeat_timeout_s is
-        dropped, so a failure never picks it; fit_pool asks for a new one. Its workers beat even outside
-        the group (workers.worker's heartbeat thread), to the supervisor directly."""
-        now, mono = time.time(), time.monotonic()
-        if mono - self._spares_checked < self.run.ft.heartbeat_interval_s:
-            return  # a check a heartbeat interval is enough (the watch loop comes every 50 ms)
-        self._spares_checked = mono
-        limit = self.run.ft.heartbeat_timeout_s
-        spares = self.pool.spares()
-        with self.run.lock:  # only the spares' entries: no copy of every rank's
-            seen_at = {s.name: self.run.hb[s.name][0] for r in spares for s in r.slots if s.name in self.run.hb}
-        for rep in spares:
-            for s in rep.slots:
-                seen = seen_at.get(s.name)
-                silent = (mono - rep.since) if seen is None else now - max(seen, now - (mono - rep.since))
-                if silent > limit:
-                    self.reporter.event("spare_lost", f"Spare replica {rep.index} ({s.short} on node "
-                                        f"{rep.node_name or '?'}) was silent for {silent:.0f}s: dropped; another "
-                                        "is asked for.", replica=rep.index, worker=s.name, silent_s=round(silent, 1))
-                    self.pool.drop(rep, "silent spare")
-                    break
 
     def tell_swap(self, joined: list[Replica], lost: list[int], old_dp: int, dp: int) -> None:
         """The `spare_swapped` event: warm spares that took the place of lost replicas in the generation

@@ -394,6 +394,11 @@ class NodeAgent:
     def ping(self) -> str:
         return self.agg.node
 
+    def process_states(self, pids: list[int]) -> dict[int, str]:
+        """'alive', 'gone' or 'stopped' for each of this node's `pids`: warm spares, which no generation
+        gives this agent to own (the supervisor's service.supervisor.spare_watch asks)."""
+        return {pid: process_state(pid) for pid in pids}
+
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()

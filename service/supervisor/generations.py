@@ -74,7 +74,7 @@ class Generations:
         self._spares_told: tuple[int, ...] | None = None  # the spares (replica indices) the last event named
         self.spares_now = 0  # spares ready beside the running group, as last counted (see with_spares)
         self._positions: dict[int, int] = {}  # replica index -> its dp position in the last generation
-        self.spare_watch = SpareWatch(run, pool, reporter.event)  # dead or silent spares, dropped
+        self.spare_watch = SpareWatch(run, pool, reporter.event, agents)  # dead, hung or silent spares, dropped
         self.ahead = NodeHelpersAhead(run, agents, reporter.event)  # keepers and agents started where ready replicas wait
 
     def set_target(self, dp: int, reason: str) -> None:

@@ -8,11 +8,12 @@ run's at the same dp (≤1e-4, fp32). The survivors train on in the model object
 A new spare is started in place of the one used, and the spares show
 in the events, the metrics rows and the API. (Without a spare a job shrinks as before: test_faults checks
 that no spare is told of there.) A spare that dies while it waits is dropped and replaced before a failure
-could pick it.
+could pick it, and so is one that hangs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -122,42 +123,59 @@ def test_spares_through_the_control_plane(reference: list[dict[str, Any]], tmp_p
 
 
 @pytest.mark.timeout(600)
-def test_a_dead_spare_is_replaced_before_it_is_needed(cluster: LocalCluster, tmp_path: Path) -> None:
-    """A spare whose worker dies while it waits is found dead by its ping (Ray's actor error), not by
-    waiting out heartbeat_timeout_s (20 s here, as in every test job: a short one reads a loaded host's
-    slow heartbeats as hangs): it is dropped (`spare_lost`) and a new one is started, so a later failure
-    would not pick a dead spare. The group is not touched."""
+def test_a_dead_or_hung_spare_is_replaced_before_it_is_needed(cluster: LocalCluster, tmp_path: Path) -> None:
+    """A spare whose worker dies while it waits is found dead by its ping (Ray's actor error) or its
+    node agent's look at its process; the one that replaces it is then SIGSTOPped, and its node agent
+    finds its process stopped. Neither waits out heartbeat_timeout_s (20 s here, as in every test job: a
+    short one reads a loaded host's slow heartbeats as hangs). Each is dropped (`spare_lost`) and a new
+    spare started, so a later failure would not pick a dead or hung one; the group is not touched."""
+    import os
+    import signal
     import time
 
     import ray
 
     slow = {"kind": "slow_worker", "step": 2, "rank": 0, "seconds": 0.5, "generation": 0}
     s = spec(tmp_path, spares=1, chaos=[slow])
-    s = s.model_copy(update={"training": s.training.model_copy(update={"steps": 60})})
+    s = s.model_copy(update={"training": s.training.model_copy(update={"steps": 90})})
     run = JobRun(s)
-    killed: list[str] = []
+    hit: list[tuple[str, int]] = []  # (worker, pid): killed, then stopped
 
-    def kill_the_spare(ev: dict[str, Any]) -> None:
-        if ev["kind"] == "spares" and ev["data"]["spares"] == 1 and not killed:
-            members = next(e for e in reversed(run.events) if e["kind"] == "generation")["data"]["ranks"]
-            names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                     if a["name"].startswith(f"job-{run.job_id}/worker-") and a["name"] not in members]
-            assert len(names) == 1, names
-            ray.kill(ray.get_actor(names[0], namespace="unbroken"), no_restart=True)
-            killed.append(names[0])
-            time.sleep(0.1)
+    def the_spare() -> tuple[str, int]:
+        members = next(e for e in reversed(run.events) if e["kind"] == "generation")["data"]["ranks"]
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["name"].startswith(f"job-{run.job_id}/worker-") and a["name"] not in members
+                 and a["name"] not in {w for w, _ in hit}]
+        assert len(names) == 1, names
+        info = ray.get(ray.get_actor(names[0], namespace="unbroken").info.remote(), timeout=30)
+        return names[0], int(info["pid"])
+
+    def strike(ev: dict[str, Any]) -> None:
+        if ev["kind"] != "spares" or ev["data"]["spares"] != 1 or len(hit) >= 2:
+            return
+        name, pid = the_spare()
+        if not hit:
+            ray.kill(ray.get_actor(name, namespace="unbroken"), no_restart=True)
+        else:
+            os.kill(pid, signal.SIGSTOP)
+        hit.append((name, pid))
+        time.sleep(0.1)
 
     try:
-        st = run.wait(on_event=kill_the_spare)
+        st = run.wait(on_event=strike)
         assert st["state"] == "SUCCEEDED", run.events
-        assert killed, run.kinds()
+        assert len(hit) == 2, run.kinds()
         lost = run.of("spare_lost")
-        assert [e["data"]["worker"] for e in lost] == killed, [e["message"] for e in lost]
-        assert lost[0]["data"]["how"] == "died" and "died" in lost[0]["message"], lost[0]
+        assert [e["data"]["worker"] for e in lost] == [w for w, _ in hit], [e["message"] for e in lost]
+        assert [e["data"]["how"] for e in lost] == ["died", "stopped"], [e["message"] for e in lost]
+        assert "stopped" in lost[1]["message"], lost[1]["message"]
         told = [e["data"] for e in run.of("spares")]
-        gone = told.index(next(t for t in told if t["spares"] == 0))
-        assert told[gone + 1:] and told[-1]["spares"] == 1, told  # a new spare after the dead one
+        gone = [i for i, t in enumerate(told) if t["spares"] == 0]
+        assert len(gone) >= 2 and told[gone[-1] + 1:] and told[-1]["spares"] == 1, told  # a new one each time
         assert not run.of("failure_detected") and {r["dp"] for r in run.rows()} == {3}
     finally:
         run.finish()
+        for _, pid in hit[1:]:  # the stopped one, were it left (the supervisor SIGKILLs it)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
     assert_no_leaks(run.job_id)

@@ -126,12 +126,18 @@ def test_running_job_metrics_actors_logs_and_tensorboard(cluster: LocalCluster, 
                 samples = scrape(node_url)
                 # The keeper's gauge exists from its first report, taken before it held anything.
                 held = find(samples, telemetry.PREFIX + "unbroken_keeper_memory_bytes", node="head")
-                return not missing_runtime_metrics(samples, jid) and max(held, default=0) > 0
+                # Generation 0's gauge exists from the start: the export after the recovery sets it to 1 or
+                # more (Ray exports every ~10 s, and the recovery's event can come before its export).
+                formed = find(samples, telemetry.PREFIX + "unbroken_generation", job_id=jid)
+                return (not missing_runtime_metrics(samples, jid) and max(held, default=0) > 0
+                        and max(formed, default=0) >= 1)
 
             try:
                 until(all_exported, EXPORT_DEADLINE_S, "every runtime metric", every_s=2.0)
             except AssertionError:
-                pytest.fail(f"not on {node_url} with job_id={jid}: {missing_runtime_metrics(samples, jid)}")
+                gens = find(samples, telemetry.PREFIX + "unbroken_generation", job_id=jid)
+                pytest.fail(f"not on {node_url} with job_id={jid}: {missing_runtime_metrics(samples, jid)}; "
+                            f"unbroken_generation {gens} (1 or more after the recovery)")
             p = telemetry.PREFIX
             # The kill is detected as the worker's death, or (a race) first as its peer's broken collective.
             causes = {lab["cause"] for n, lab, _ in samples if n == p + "unbroken_recoveries_total"

@@ -270,12 +270,10 @@ class NodeAggregator:
             if r.lost or r.generation < self.generation:
                 continue
             state = state_of(r)
-            if state == "gone":
-                kind, detail = "died", f"{r.worker} (rank {r.rank}): its process exited (seen by {self.name})"
-                t_fault = now
-            elif state == "stopped":
-                kind, detail = "stopped", f"{r.worker} (rank {r.rank}): its process is stopped (SIGSTOP)"
-                t_fault = r.seen
+            if state in LOST_BY_STATE:
+                kind, said = LOST_BY_STATE[state]
+                detail = f"{r.worker} (rank {r.rank}): {said} (seen by {self.name})"
+                t_fault = now if state == "gone" else r.seen  # a stopped rank stopped when it fell silent
             elif now - r.seen > self.heartbeat_timeout_s:
                 kind = "hang"
                 detail = (f"{r.worker} (rank {r.rank}) sent no note for {now - r.seen:.1f}s; "
@@ -313,6 +311,10 @@ class NodeAggregator:
                          ack_held=p.ack_held,
                          ack_failures=p.ack_failures, beats=beats, lost=p.lost, notes=p.notes, rank_logs=p.logs,
                          members=members, lost_nodes=p.lost_nodes, ranks=self.answers_for() or 0)
+
+
+# A process state (`process_state`) that loses its rank -> the loss's kind and what it says of the process
+LOST_BY_STATE: dict[str, tuple[str, str]] = {"gone": ("died", "its process exited"), "stopped": ("stopped", "its process is stopped (SIGSTOP)")}
 
 
 def process_state(pid: int | None) -> str:

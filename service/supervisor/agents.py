@@ -278,7 +278,7 @@ def start_agents(tracker: AgentTracker, slots: list[Any], generation: int, timeo
             current_agent(tracker, node, ids[node])
         elif node not in tracker.handles:
             raise ValueError(f"node {node} is not alive")
-    refs = [tracker.handles[node].own.remote([(s.name, s.rank, generation, (s.info or {}).get("pid"), s.handle)
+    refs = [tracker.handles[node].own.remote([(s.name, s.rank, generation, s.pid, s.handle)
                                               for s in group]) for node, group in by_node.items()]
     groups = agent_groups(list(by_node))
     for leader, members in groups.items():  # the tree: members send to their leader, leaders here

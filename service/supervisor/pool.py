@@ -69,6 +69,12 @@ class Slot:
     def short(self) -> str:
         return self.name.rsplit("/", 1)[-1]
 
+    @property
+    def pid(self) -> int | None:
+        """Its worker process's pid, once its info came."""
+        pid = (self.info or {}).get("pid")
+        return int(pid) if pid else None
+
 
 @dataclass
 class Replica:

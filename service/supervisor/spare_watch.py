@@ -20,13 +20,7 @@ import ray
 from service.supervisor.agents import AgentTracker
 from service.supervisor.context import JobRun
 from service.supervisor.pool import Replica, ReplicaPool, Slot
-
-# A process state the agent answered -> what the event says, and its `how`
-_SAID = {"stopped": ("hangs: its process is stopped", "stopped"), "gone": ("died: its process exited", "died")}
-
-
-def _pid(s: Slot) -> int:
-    return int((s.info or {}).get("pid") or 0)
+from workers.node_agent import LOST_BY_STATE
 
 
 class SpareWatch:
@@ -80,7 +74,7 @@ class SpareWatch:
         by_node: dict[str, list[int]] = {}
         for rep in spares:
             if rep.node_name and self.agents.handle_ids.get(rep.node_name) == rep.node:
-                by_node.setdefault(rep.node_name, []).extend(p for p in map(_pid, rep.slots) if p)
+                by_node.setdefault(rep.node_name, []).extend(s.pid for s in rep.slots if s.pid)
         live = {p for pids in by_node.values() for p in pids}
         self._states = {p: st for p, st in self._states.items() if p in live}
         for node, pids in by_node.items():
@@ -89,11 +83,11 @@ class SpareWatch:
 
     def _held(self, s: Slot) -> tuple[str, dict[str, Any]] | None:
         """What its node's agent last found of its process: stopped (hung) or gone (died)."""
-        state = self._states.get(_pid(s))
-        if state not in _SAID:
+        lost = LOST_BY_STATE.get(self._states.get(s.pid or 0, "alive"))
+        if lost is None:
             return None
-        text, how = _SAID[state]
-        return f"{text} (seen by its node's agent)", {"how": how}
+        how, said = lost
+        return f"{how}: {said} (seen by its node's agent)", {"how": how}
 
     def _silent(self, rep: Replica, seen: float | None, now: float, mono: float) -> tuple[str, dict[str, Any]] | None:
         """Silent for over heartbeat_timeout_s since its last heartbeat, or since it became a spare."""

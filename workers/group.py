@@ -57,20 +57,10 @@ from workers.node_relay import KEPT_CLONES, NodeRelay, RelayStore, connect_to_le
 
 log = logging.getLogger("unbroken.group")
 
-# A step may take this many times the slowest step seen before its collectives time out.
-TIMEOUT_STEP_FACTOR = 20.0
-
 # NCCL error handling: 2 = CleanUpOnly (abort the communicators, raise in the waiting thread, keep the
 # process). Read when a ProcessGroupNCCL is built, so it is set before every join; a value the user
 # set explicitly is kept.
 NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
-
-
-def collective_timeout_s(floor_s: float, max_step_time_s: float | None) -> float:
-    """The process-group timeout: the floor, or TIMEOUT_STEP_FACTOR x the slowest step if longer."""
-    if max_step_time_s is None or max_step_time_s <= 0:
-        return floor_s
-    return max(floor_s, TIMEOUT_STEP_FACTOR * max_step_time_s)
 
 
 @dataclass

@@ -108,7 +108,7 @@ class Generations:
                 surplus -= 1
 
     def timeout_s(self) -> float:
-        from workers.group import collective_timeout_s
+        from workers.collective_timeout import collective_timeout_s
 
         step_times = [m.last.step_time_s for _, m in self.run.hb.values() if isinstance(m, Heartbeat) and m.last]
         return collective_timeout_s(self.run.ft.collective_timeout_s, max(step_times) if step_times else None)

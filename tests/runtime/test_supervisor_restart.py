@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -69,7 +70,11 @@ def test_supervisor_killed_while_workers_train_on(head_cluster: Any, tmp_path: P
     # The supervisor hangs for 3 s (the ranks train on; their notes wait unread), then crashes: Ray
     # restarts it, and whatever the hung instance had not read is lost with it. Rank 1's worker is
     # SIGKILLed while no supervisor watches: the restarted one must find it gone and say so.
-    pid = ray.get(find_supervisor(rec.id).__ray_call__.remote(lambda self: os.getpid()), timeout=60)
+    pid, torch_in = ray.get(find_supervisor(rec.id).__ray_call__.remote(
+        lambda self: (os.getpid(), "torch" in sys.modules)), timeout=60)
+    # Two launches in, the supervisor has not imported torch (its rules are torch-free: importing it for
+    # the collective timeout cost ~1 s before every job's first generation).
+    assert not torch_in, "the supervisor imported torch"
     os.kill(pid, signal.SIGSTOP)
     workers = [ray.get_actor(a["name"], namespace=NAMESPACE) for a in ray.util.list_named_actors(all_namespaces=True)
                if a.get("namespace") == NAMESPACE and str(a.get("name", "")).startswith(worker_prefix(rec.id))]

@@ -1,12 +1,13 @@
-"""A job's zygote on a node: one process that imports torch and the engine once, and forks each worker
-process the job starts there, so a replacement, a spare or a grow-back does not import them again.
+"""A zygote on a node: one process that imports torch and the engine once, and forks each worker process
+that the jobs of its key start there (workers.zygote_client.env_key: the same Python and environment), so
+a replacement, a spare, a grow-back or the next job set up alike does not import them again.
 
 A fresh worker costs ~3.5 CPU-s before it is ready (Ray, torch, the engine, the first step's lazy
 imports); on a node whose cores train, that time comes out of the training ranks' steps (measured by
 tests.benchmarks.startup_bench: a child forked after the engine's imports needs ~0.3 CPU-s of it). Its
 clients are workers.zygote_client, which Ray starts as the worker actor's py_executable.
 
-    python -m workers.zygote --key JOB --node-id NODE --raylet-pid PID
+    python -m workers.zygote --key KEY --node-id NODE --raylet-pid PID
 
 It binds its name at once (workers.zygote_client.socket_name), imports the engine on a low-priority
 thread (workers.warmup.import_engine, and Ray's module; clients wait meanwhile), then serves: each client sends its
@@ -43,7 +44,9 @@ from workers.zygote_client import alive, socket_name
 
 FORKED_ENV = "UNBROKEN_FORKED_FROM"  # set in each child: the zygote's pid (Worker.info says it was forked)
 CLIENT_ENV = "UNBROKEN_FORK_CLIENT"  # and the pid of the client that stands in for it (the process Ray started)
-IDLE_S = 30.0  # no child alive and no request for this long: the job has left the node (or shrunk off it)
+# No child alive and no request for this long: no job of its key has a worker on the node. A job set up
+# alike that starts within it forks from this one (the suite's jobs follow each other within seconds).
+IDLE_S = 120.0
 _REQUEST_MAX = 16 << 20
 
 
@@ -122,8 +125,9 @@ def _preload() -> None:
 
     import_engine()  # on a low-priority thread: the zygote may start beside training ranks
     # Ray's module too (~0.3 CPU-s a worker), imported and never initialized: it starts no thread, and
-    # what it reads from the environment at import is the same for every worker of this job on this node
-    # (the zygote's environment is its first client's). Not our worker module: importing it starts a thread.
+    # what it reads from the environment at import is the same for every worker of its key on this node
+    # (the zygote's environment is its first client's; the key covers what a job sets). Not our worker
+    # module: importing it starts a thread.
     at_low_priority(_import_ray, "import")
     gc.collect()
     gc.freeze()  # the children's collections leave these pages unwritten (copy-on-write kept)
@@ -137,7 +141,7 @@ def serve(name: str, raylet_pid: int, idle_s: float = IDLE_S) -> int:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         listener.bind(name)
-    except OSError:  # another client started this job's zygote on this node first
+    except OSError:  # another client started this key's zygote on this node first
         return 0
     listener.listen(64)
     _preload()

@@ -35,6 +35,7 @@ from service.supervisor.reporter import Reporter
 from service.supervisor.words import first_line, plural
 from workers.protocol import RunResult, RunStatus
 from workers.zygote_client import command as zygote_command
+from workers.zygote_client import env_key
 
 
 class ReplicaState(StrEnum):
@@ -194,7 +195,7 @@ class ReplicaPool:
         env.setdefault("OMP_NUM_THREADS", "1")
         runtime_env: dict[str, Any] = {"env_vars": env}
         if run.spec.resources.fork_workers and sys.platform.startswith("linux"):
-            runtime_env["py_executable"] = zygote_command(run.job_id)
+            runtime_env["py_executable"] = zygote_command(env_key(env))  # shared by jobs set up alike
         for local in range(run.mp):
             n = self._next_worker
             self._next_worker += 1

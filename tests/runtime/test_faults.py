@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from service.local_cluster import parent_pid, stat_fields
 from tests.runtime.jobs import (
     JobRun,
     assert_no_leaks,
@@ -104,6 +105,13 @@ def test_fault_recovers_with_the_same_losses(kind: str, reference: list[dict[str
     assert_no_leaks(run.job_id)
 
 
+def _started_at(pid: int) -> float:
+    """When process `pid` started, in seconds since the epoch (/proc; whole seconds of boot time)."""
+    ticks = int(stat_fields(pid)[19])  # field 22 of proc(5): starttime, in clock ticks after boot
+    boot = next(int(x.split()[1]) for x in Path("/proc/stat").read_text().splitlines() if x.startswith("btime "))
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
 def _lowered_threads(pid: int) -> list[str]:
     """The threads of process `pid` whose nice value is above its own main thread's (/proc)."""
     out = []
@@ -122,6 +130,7 @@ def test_sigterm_ends_a_worker_and_the_group_reforms(reference: list[dict[str, A
     the job re-forms at dp 3 on the same losses."""
     import signal
 
+    submitted = time.time()
     run = JobRun(tiny_spec(tmp_path, chaos=paced(4, 0.3)))
     try:
         pid = 0
@@ -142,6 +151,11 @@ def test_sigterm_ends_a_worker_and_the_group_reforms(reference: list[dict[str, A
         assert all(i["ray_pid"] != i["pid"] and "zygote_client" in
                    Path(f"/proc/{i['ray_pid']}/cmdline").read_bytes().decode() for i in infos), infos
         assert all(os.getpgid(p) == p for p in ranks), [(p, os.getpgid(p)) for p in ranks]
+        # ... a zygote that an earlier job of this module started (the reference's, at least): jobs that set
+        # the same environment share it (workers.zygote_client.env_key), so this one did not import torch.
+        zygotes = {parent_pid(p) for p in ranks}
+        assert len(zygotes) == 1, zygotes  # one node
+        assert _started_at(next(iter(zygotes))) < submitted - 1, "this job's zygote started with it"
         lowered = {p: n for p in ranks if (n := _lowered_threads(p))}
         assert ranks and not lowered, f"threads of training ranks at a raised nice value: {lowered}"
         os.kill(pid, signal.SIGTERM)

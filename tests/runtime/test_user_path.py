@@ -196,7 +196,7 @@ def _sigterm_a_worker(cluster: RayStartCluster, client: Any, job_id: str) -> Non
     until(lambda: any(r["step"] >= KILL_STEP for r in client.metrics(job_id)), 300, f"step {KILL_STEP}")
     pids = cluster.pids_running("b", "Worker")
     assert pids, "no worker process on node b"
-    # Forked by the job's zygote on that node (resources.fork_workers, the default: workers.zygote).
+    # Forked by its node's zygote (resources.fork_workers, the default: workers.zygote).
     # (/proc/PID/environ shows the environment a process was exec'd with: a fork's is its zygote's.)
     parent = parent_pid(pids[0])
     assert "workers.zygote" in Path(f"/proc/{parent}/cmdline").read_bytes().decode(), (pids[0], parent)

@@ -17,8 +17,9 @@ from typing import Any
 
 import pytest
 
+import workers.zygote as workers_zygote
 from workers.zygote import FORKED_ENV
-from workers.zygote_client import command
+from workers.zygote_client import _engine_source_stamp, command, env_key
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the zygote is Linux only")
 
@@ -116,3 +117,20 @@ def test_without_a_zygote_the_client_becomes_the_worker(worker_py: Path, tmp_pat
     assert code == 3, err
     assert seen["pid"] == client and seen["forked"] is None and not seen["torch"], seen
     assert seen["x"] == "alone"
+
+
+def test_jobs_set_up_alike_share_a_key_and_others_do_not() -> None:
+    """The key a job's workers ask for their node's zygote by (workers.zygote_client.env_key): the same for
+    the same Python and environment in any order, another for any other value, variable or Python."""
+    env = {"OMP_NUM_THREADS": "1", "HF_HOME": "/data/hf", "TOKEN": "s3cret"}
+    key = env_key(env)
+    assert key == env_key(dict(reversed(list(env.items()))))
+    assert key != env_key({**env, "TOKEN": "other"})
+    assert key != env_key({**env, "EXTRA": ""})
+    assert key != env_key(env, python="/usr/bin/python3")
+    assert "s3cret" not in key and key.startswith("env-")
+    # and the engine's sources as they are on disk (a zygote never serves code older than the job's)
+    stamp = _engine_source_stamp()
+    warmup = Path(workers_zygote.__file__).with_name("warmup.py").stat()
+    assert f"workers/warmup.py:{warmup.st_size}:{warmup.st_mtime_ns}" in stamp
+    assert any(x.startswith("parallel/trainer.py:") for x in stamp) and any(x.startswith("checkpointing/") for x in stamp)

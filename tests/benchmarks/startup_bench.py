@@ -17,6 +17,12 @@ node's zygote, workers.zygote) and once without (a fresh interpreter each): a tr
 SIGKILLed at step 20, and the CPU its replacement's processes used until it was ready (replica_ready)
 is read from /proc: the worker's process, and with a zygote the client Ray started in its place
 (Ray's setup_worker runs in that process before it execs the client).
+
+Last, a job's own start where users wait for it: on one 2-node LocalCluster, jobs of goodput_bench's
+spec (10 steps) one after another, interleaved: a job set up like the one before it, whose workers fork
+from the zygotes that job left on its nodes (jobs of one workers.zygote_client.env_key share them), and
+a job with an environment of its own (one more variable), whose nodes start a zygote for it, as every
+job's did before 2026-12-05. Each job: from its submission to its first completed step.
 Run: .venv/bin/python -m tests.benchmarks.startup_bench [--rounds N] [--no-job]
 """
 
@@ -142,15 +148,59 @@ def replacement_cpu(fork: bool) -> tuple[float, bool]:
             run.finish()
 
 
+def job_starts(rounds: int) -> tuple[list[float], list[float]]:
+    """(seconds from submission to the first step of each job forked by warm zygotes, of each job that
+    started its own), `rounds` of each, interleaved, on one private 2-node LocalCluster."""
+    import json
+    import tempfile
+    import time
+
+    from service.local_cluster import LocalCluster
+    from tests.benchmarks import goodput_bench as gb
+    from tests.runtime.jobs import JobRun
+
+    def one(root: Path, env: dict[str, str]) -> float:
+        spec = gb._ours_spec(root)
+        spec = spec.model_copy(update={"training": spec.training.model_copy(update={"steps": 10}),
+                                       "runtime_env": spec.runtime_env.model_copy(update={"env_vars": env})})
+        t0 = time.time()
+        run = JobRun(spec)
+        try:
+            st = run.wait(timeout_s=300)
+        finally:
+            run.finish()
+        if st["state"] != "SUCCEEDED":
+            raise RuntimeError(f"a startup_bench job ended {st['state']}: {run.kinds()}")
+        first = json.loads((root / "metrics.jsonl").read_text().splitlines()[0])
+        return float(first["end_time"]) - t0
+
+    warm: list[float] = []
+    cold: list[float] = []
+    with tempfile.TemporaryDirectory(prefix="startup_bench_") as d, \
+            LocalCluster(head_cpus=gb.NODE_CPUS, object_store_mb=300) as cluster:  # fmt: skip
+        cluster.add_node("b", num_cpus=gb.NODE_CPUS)
+        cluster.connect()
+        shared = {"STARTUP_BENCH": "shared"}
+        one(Path(d) / "first", shared)  # (starts the shared zygotes: not timed)
+        for i in range(rounds):
+            cold.append(one(Path(d) / f"own-{i}", {**shared, "STARTUP_BENCH_OWN": str(i)}))
+            warm.append(one(Path(d) / f"alike-{i}", shared))
+    return warm, cold
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--fork-server", type=int, default=0, help=argparse.SUPPRESS)
-    ap.add_argument("--no-job", action="store_true", help="skip the measurement in a job")
+    ap.add_argument("--no-job", action="store_true", help="skip the measurements in jobs")
+    ap.add_argument("--job-starts", action="store_true", help="only the job starts (shared zygotes or own)")
     args = ap.parse_args(argv or [])
     if args.fork_server:
         exec(IMPORTS, {})  # noqa: S102 - Ray's module imported, never initialized
         print(" ".join(f"{forked():.4f}" for _ in range(args.fork_server)))
+        return
+    if args.job_starts:
+        _print_job_starts(args.rounds)
         return
     cold = [fresh() for _ in range(args.rounds)]
     warm = fork_server(args.rounds)
@@ -166,6 +216,16 @@ def main(argv: list[str] | None = None) -> None:
         raise RuntimeError(f"the arms did not start as asked: forked {f0} without a zygote, {f1} with one")
     print(f"in a job: a replacement worker's CPU until ready: fresh {fresh_job:.2f} CPU-s, forked by the "
           f"node's zygote {forked_job:.2f} CPU-s, forked/fresh {forked_job / fresh_job:.2f}")
+    _print_job_starts(args.rounds)
+
+
+def _print_job_starts(rounds: int) -> None:
+    warm, cold = job_starts(rounds)
+    med = sorted(warm)[len(warm) // 2], sorted(cold)[len(cold) // 2]
+    print("job start, submission to first step (s, each round)")
+    print("own zygotes      " + "  ".join(f"{x:.2f}" for x in cold))
+    print("shared zygotes   " + "  ".join(f"{x:.2f}" for x in warm))
+    print(f"job start: own zygotes {med[1]:.2f} s, shared {med[0]:.2f} s, shared/own {med[0] / med[1]:.2f}")
 
 
 if __name__ == "__main__":

@@ -45,8 +45,8 @@ def env_key(env: Mapping[str, str], python: str | None = None) -> str:
     starts without importing torch and the engine again (tests.benchmarks.startup_bench --job-starts: a
     4-worker job's first step 5.97 s after its submission instead of 8.77 s on a 2-core VM); a job that
     sets another environment gets its own, so no worker is forked from a process image that holds
-    another job's environment. The engine's
-    source files as they are on disk now count too: a zygote never serves code older than a later job's."""
+    another job's environment. The engine's source files as they are on disk now count too: a zygote
+    never serves code older than a later job's."""
     blob = json.dumps([python or sys.executable, sorted(env.items()), _engine_source_stamp()])
     return "env-" + hashlib.sha256(blob.encode()).hexdigest()[:16]
 

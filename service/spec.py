@@ -161,7 +161,8 @@ def chaos_rank_problems(chaos: list[ChaosEvent], max_world: int, why: str) -> li
 class RuntimeEnv(_Strict):
     env_vars: dict[str, str] = Field(default_factory=dict)
     secret_env_vars: dict[str, SecretStr] = Field(default_factory=dict, description="never returned or logged")
-    pip: list[str] = Field(default_factory=list)
+    pip: list[str] = Field(default_factory=list, description="must stay empty: no job's packages are installed "
+                           "(a job naming some is refused at submission); install them in the cluster's image")
 
 
 class JobSpec(EngineConfig):

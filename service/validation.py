@@ -16,7 +16,19 @@ from service import sizing
 def job_problems(spec: Any, cluster_total: dict[str, float] | None = None) -> list[tuple[str, str]]:
     """Every (field, message) that stops this job from ever running; empty when it can run."""
     return (sizing.layout_problems(spec, cluster_total) + _extras_problems(spec)
-            + _chaos_problems(spec, cluster_total))
+            + _chaos_problems(spec, cluster_total) + _runtime_env_problems(spec))
+
+
+def _runtime_env_problems(spec: Any) -> list[tuple[str, str]]:
+    """runtime_env.pip: the spec has the field, but no job's packages are installed anywhere (its
+    processes start from the cluster's own environment), so a job that names some is refused rather
+    than started without them. Checked at submission only: a job stored earlier still reads back."""
+    pip = list(getattr(getattr(spec, "runtime_env", None), "pip", None) or [])
+    if not pip:
+        return []
+    return [("runtime_env.pip", f"packages {pip} would not be installed: a job's processes run in the cluster's "
+             "own Python environment; install them there (the image in deploy/, or pip on every node) and "
+             "remove runtime_env.pip")]
 
 
 def _chaos_problems(spec: Any, cluster_total: dict[str, float] | None) -> list[tuple[str, str]]:

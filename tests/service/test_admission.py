@@ -97,6 +97,13 @@ def test_problems_name_the_field(section: dict, field: str) -> None:
     assert field in [f for f, _ in pure], pure  # the torch-free checks agree
 
 
+def test_pip_packages_are_refused_not_ignored() -> None:
+    """No job's packages are installed anywhere, so a job naming some is refused with the field and the fix."""
+    problems = job_problems(parse_spec({"runtime_env": {"pip": ["einops"]}}), {"CPU": 8.0})
+    assert [f for f, _ in problems] == ["runtime_env.pip"], problems
+    assert "einops" in problems[0][1] and "remove runtime_env.pip" in problems[0][1]
+
+
 def test_a_good_spec_has_no_problems() -> None:
     ok = parse_spec({"parallelism": {"tp": 2, "dp_shard": 2}, "resources": {"dp": {"min": 1, "max": 2}}})
     assert job_problems(ok, {"CPU": 8.0}) == [] and sizing.layout_problems(ok, {"CPU": 8.0}) == []

@@ -23,7 +23,7 @@ def _runtime_env_problems(spec: Any) -> list[tuple[str, str]]:
     """runtime_env.pip: the spec has the field, but no job's packages are installed anywhere (its
     processes start from the cluster's own environment), so a job that names some is refused rather
     than started without them. Checked at submission only: a job stored earlier still reads back."""
-    pip = list(getattr(getattr(spec, "runtime_env", None), "pip", None) or [])
+    pip = spec.runtime_env.pip
     if not pip:
         return []
     return [("runtime_env.pip", f"packages {pip} would not be installed: a job's processes run in the cluster's "

@@ -14,6 +14,7 @@ job's replicas). A failure re-forms the next generation with a spare in place of
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import socket
@@ -132,6 +133,20 @@ class ReplicaPool:
         self._next_replica = 0
         self._next_worker = 0
 
+    @functools.cached_property
+    def _runtime_env(self) -> dict[str, Any]:
+        """The workers' runtime_env, fixed for the job's life: its zygote key (shared by jobs set up alike)
+        stamps the engine's sources once, so a replacement started after an edit on disk forks from the
+        same code as the ranks it joins."""
+        spec = self.run.spec
+        env = dict(spec.runtime_env.env_vars)
+        env.update({k: v.get_secret_value() for k, v in spec.runtime_env.secret_env_vars.items()})
+        env.setdefault("OMP_NUM_THREADS", "1")
+        out: dict[str, Any] = {"env_vars": env}
+        if spec.resources.fork_workers and sys.platform.startswith("linux"):
+            out["py_executable"] = zygote_command(env_key(env))
+        return out
+
     # ----------------------------------------------------------------- views
     def count(self, *states: ReplicaState) -> int:
         return sum(1 for r in self.replicas.values() if r.state in states)
@@ -190,12 +205,7 @@ class ReplicaPool:
         assert rep.res is not None
         engine = spec_engine_json(run)
         ckpt = spec_to_private_json(run.spec.checkpoint)  # workers need the real S3 keys, not the mask
-        env = dict(run.spec.runtime_env.env_vars)
-        env.update({k: v.get_secret_value() for k, v in run.spec.runtime_env.secret_env_vars.items()})
-        env.setdefault("OMP_NUM_THREADS", "1")
-        runtime_env: dict[str, Any] = {"env_vars": env}
-        if run.spec.resources.fork_workers and sys.platform.startswith("linux"):
-            runtime_env["py_executable"] = zygote_command(env_key(env))  # shared by jobs set up alike
+        runtime_env = self._runtime_env
         for local in range(run.mp):
             n = self._next_worker
             self._next_worker += 1

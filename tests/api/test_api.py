@@ -136,6 +136,7 @@ BAD_INPUTS: list[tuple[str, Any, str, list[str]]] = [
      ["resources.gpus_per_worker"]),
     ("dp over the layout", {"parallelism": {"dp_shard": 2}, "resources": {"dp": {"max": 4}}}, "application/json",
      ["resources.dp.max"]),
+    ("pip packages nothing installs", "runtime_env: {pip: [einops]}\n", "application/yaml", ["runtime_env.pip"]),
 ]
 
 

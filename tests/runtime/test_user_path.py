@@ -85,9 +85,10 @@ def _run_user_path(tmp: Path, cluster: RayStartCluster, *, second_job: bool, spa
         if spare:
             job = client.submit(job_spec("killed", [{"kind": "kill_worker", "step": KILL_STEP, "rank": 1}],
                                          spare=True))
+            zygote_b = 0
         else:  # a worker told to stop as Kubernetes or a user stops one: a SIGTERM from outside
             job = client.submit(job_spec("killed", paced(4, SIGTERM_PACE_S)))
-            _sigterm_a_worker(cluster, client, job.id)
+            zygote_b = _sigterm_a_worker(cluster, client, job.id)
         done = client.wait(job.id, timeout=420)
         assert done.status == "SUCCEEDED", done
         events = list(client.events(job.id, follow=False))
@@ -127,6 +128,14 @@ def _run_user_path(tmp: Path, cluster: RayStartCluster, *, second_job: bool, spa
         headers = {"Authorization": f"Bearer {client.token}"}
         got = httpx.get(f"{serve.url}/v1/jobs/{job.id}", headers=headers, timeout=30).json()
         assert got["status"] == "SUCCEEDED"
+        # A spec naming pip packages (which no process of a job would install) is refused, naming the
+        # field and the fix, and nothing is stored.
+        before = [j.id for j in client.list().items]
+        bad = {**job_spec("with-pip"), "runtime_env": {"pip": ["einops"]}}
+        r = httpx.post(f"{serve.url}/v1/jobs", json=bad, headers=headers, timeout=30)
+        assert r.status_code == 422 and [f["field"] for f in r.json()["fields"]] == ["runtime_env.pip"], r.text
+        assert "remove runtime_env.pip" in r.json()["message"], r.text
+        assert [j.id for j in client.list().items] == before
         # The keepers of both worker nodes took their own node's copies through shared memory (kept as
         # they were, no copy), the other node's over TCP (a fallback to TCP only logs a warning: this
         # shows the shared path was taken).
@@ -153,6 +162,11 @@ def _run_user_path(tmp: Path, cluster: RayStartCluster, *, second_job: bool, spa
         reader.start()
         until(lambda: (p := client.get(second.id).progress).dp == 2 and (p.step or 0) >= 2, 300,
               "the second job training at dp 2")
+        # Its workers (and the holder's) on node b were forked by the zygote the first job's workers there
+        # came from: jobs set up alike share a node's zygote (workers.zygote_client.env_key), so this
+        # job's start imported no torch there.
+        on_b = cluster.pids_running("b", "Worker")
+        assert on_b and {parent_pid(p) for p in on_b} == {zygote_b}, (on_b, zygote_b)
         client.cancel(holder.id)
         assert client.wait(holder.id, timeout=120, raise_on_failure=False).status == "CANCELLED"
         grown = until(lambda: [e for e in client.events(second.id, follow=False)
@@ -188,11 +202,12 @@ def _run_user_path(tmp: Path, cluster: RayStartCluster, *, second_job: bool, spa
         serve.stop()
 
 
-def _sigterm_a_worker(cluster: RayStartCluster, client: Any, job_id: str) -> None:
+def _sigterm_a_worker(cluster: RayStartCluster, client: Any, job_id: str) -> int:
     """Once the job has trained KILL_STEP steps, SIGTERM one of its workers on node b (from outside, as a
     kubelet or `kill` does) and wait until that process is gone: the worker ends on it (workers.sigterm)
     and the job recovers from the keepers. Before workers.sigterm, Ray's handler never ran in the
-    threaded worker, which trained on to the job's end, and no recovery happened."""
+    threaded worker, which trained on to the job's end, and no recovery happened. Returns the pid of
+    the zygote the worker was forked from."""
     until(lambda: any(r["step"] >= KILL_STEP for r in client.metrics(job_id)), 300, f"step {KILL_STEP}")
     pids = cluster.pids_running("b", "Worker")
     assert pids, "no worker process on node b"
@@ -202,6 +217,7 @@ def _sigterm_a_worker(cluster: RayStartCluster, client: Any, job_id: str) -> Non
     assert "workers.zygote" in Path(f"/proc/{parent}/cmdline").read_bytes().decode(), (pids[0], parent)
     os.kill(pids[0], signal.SIGTERM)
     until(lambda: pids[0] not in cluster.pids_running("b", "Worker"), 30, "the worker ending on its SIGTERM")
+    return parent
 
 
 def _lose_a_pod(tmp: Path, cluster: RayStartCluster, client: Any) -> None:

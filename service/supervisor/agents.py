@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from service.supervisor.context import JobRun
+from service.supervisor.ray_poll import ready_now
 from workers.node_agent import Patience
 from workers.protocol import NodeBatch, Note, RankLost
 
@@ -314,7 +315,7 @@ def confirm_silent(tracker: AgentTracker, silent: list[tuple[str, float]]) -> li
     for n in [n for n in tracker.pings if n not in {m for m, _ in silent}]:
         tracker.pings.pop(n)  # heard from again
     refs = list(tracker.pings.values())
-    ready = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) if refs else set()
+    ready = ready_now(refs)
     for n, ref in list(tracker.pings.items()):
         if ref not in ready:
             pings[n] = "pending"

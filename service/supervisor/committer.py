@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from service.supervisor.context import JobFailed, JobRun
+from service.supervisor.ray_poll import ready_now
 from service.supervisor.reporter import Reporter
 
 log = logging.getLogger("unbroken.supervisor")
@@ -162,7 +163,7 @@ class SnapshotCommitter:
             if fresh is not None:
                 self.keepers[name] = fresh
         if self._pings:
-            done, _ = ray.wait(list(self._pings.values()), num_returns=len(self._pings), timeout=0)
+            done = ready_now(self._pings.values())
             if len(done) < len(self._pings) and time.monotonic() - self._pinged_at < _KEEPER_START_S:
                 return  # a slow keeper is not a dead one
             dead = []

@@ -17,10 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import ray
-
 from service.supervisor.agents import AgentTracker, current_agent
 from service.supervisor.context import JobRun
+from service.supervisor.ray_poll import ready_now
 from service.supervisor.words import first_line
 
 AHEAD_WAIT_S = 10.0  # a grow waits this long at most for a node's helpers to answer, then goes ahead
@@ -94,7 +93,7 @@ class NodeHelpersAhead:
             s = self._started.get(n)
             if s is None or s.told or not s.pings:
                 continue
-            done, _ = ray.wait(s.pings, num_returns=len(s.pings), timeout=0)
+            done = ready_now(s.pings)
             waited = now - s.at
             if len(done) < len(s.pings) and waited < AHEAD_WAIT_S:
                 ok = False

@@ -32,6 +32,7 @@ from ray.exceptions import RayActorError
 from checkpointing.naming import agent_prefix, worker_name, worker_number, worker_prefix
 from service.placement import ReplicaReservation, release, release_job_groups, reserve_replica
 from service.supervisor.context import JobRun
+from service.supervisor.ray_poll import ready_now
 from service.supervisor.reporter import Reporter
 from service.supervisor.words import first_line, plural
 from workers.protocol import RunResult, RunStatus
@@ -236,9 +237,7 @@ class ReplicaPool:
             if rep.state == ReplicaState.PENDING and rep.res is not None and rep.res.ready(0):
                 self._spawn(rep)
             elif rep.state == ReplicaState.STARTING:
-                refs = [s.info_ref for s in rep.slots]
-                done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-                if len(done) < len(refs):
+                if len(ready_now(s.info_ref for s in rep.slots)) < len(rep.slots):
                     continue
                 try:
                     for s in rep.slots:

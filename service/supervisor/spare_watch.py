@@ -20,6 +20,7 @@ import ray
 from service.supervisor.agents import AgentTracker
 from service.supervisor.context import JobRun
 from service.supervisor.pool import Replica, ReplicaPool, Slot
+from service.supervisor.ray_poll import ready_now
 from workers.node_agent import LOST_BY_STATE
 
 
@@ -65,7 +66,7 @@ class SpareWatch:
         if self.agents is None:
             return
         if self._asked:
-            done, _ = ray.wait(list(self._asked.values()), num_returns=len(self._asked), timeout=0)
+            done = ready_now(self._asked.values())
             for node in [n for n, ref in self._asked.items() if ref in done]:
                 try:
                     self._states.update(ray.get(self._asked.pop(node)))

@@ -19,10 +19,16 @@ The parts, one file each:
     controller.py   the job's life as states carrying their data, one step() at a time
     generations.py  start, watch and stop one generation; rank_of
     pool.py         the replica pool (ReplicaState) and its worker actors
+    spare_watch.py  warm spares found dead, stopped or silent, dropped before a failure picks one
     detection.py    failures (FailureKind), hangs, stragglers, the root cause
-    committer.py    keepers, snapshot acks and commits, the restore target
+    agents.py       the node agents' batches of notes, and what their silence says
+    node_helpers.py a node's keeper and agent, started ahead where a replica waits to join
+    committer.py    snapshot acks and commits, the restore target
+    keeper_set.py   the job's snapshot keepers: started, watched, started again
     reporter.py     events, job states, the store, metrics.jsonl, TensorBoard, recovery timing, logs
+    store_writer.py the reporter's writes to the job store, in order, on their own thread
     context.py      what the parts share about the job (JobRun)
+    ray_poll.py     which refs asked for earlier are in, without waiting
     words.py        how failures and restores read in events
 """
 

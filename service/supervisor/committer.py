@@ -1,35 +1,31 @@
-"""The snapshot committer: keepers on the job's nodes, the ranks' snapshot acks, and the commit.
+"""The snapshot committer: the ranks' snapshot acks, the commit, and the snapshot a new generation restores.
 
 A snapshot (generation, step) is committed once every rank acknowledged it and the keepers hold the
 copies; only up to the last step whose metrics row is written, so a restore never skips a step
 whose row was lost (e.g. held in memory when this supervisor crashed): it goes back and re-runs it.
 Before a new generation restores, the keepers are also asked what they hold whole (acks are fire and
 forget: those sent while this supervisor was down never came), so it restores the newest such step.
-Between re-forms the keepers are pinged every KEEPER_WATCH_S: one killed while its node lives is started
-again at once (the ranks find it by name), so no snapshot stays held once for long.
+The keepers themselves (started, watched, started again) are service.supervisor.keeper_set's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.supervisor.context import JobFailed, JobRun
-from service.supervisor.ray_poll import ready_now
+from service.supervisor.context import JobRun
+from service.supervisor.keeper_set import KeeperSet
 from service.supervisor.reporter import Reporter
 
 log = logging.getLogger("unbroken.supervisor")
 
 # What the keepers hold: {(generation, step): (world size, {rank: [nodes]})}.
 Held = dict[tuple[int, int], tuple[int, dict[int, list[str]]]]
-KEEPER_WATCH_S = 1.0  # how often the watch loop pings the keepers between re-forms
 _COMMIT_WAIT_S = 0.02  # a commit waits this long for the keepers' answers; later ones are read next time
 _ROUND_GIVE_UP_S = 30.0  # a keeper that has not answered a commit's call by then counts as failed
-_KEEPER_START_S = 10.0  # a keeper started again that does not answer by then is given up (its node is going)
 
 
 @dataclass
@@ -60,19 +56,24 @@ class SnapshotCommitter:
     def __init__(self, run: JobRun, reporter: Reporter) -> None:
         self.run = run
         self.reporter = reporter
-        self.keepers: dict[str, Any] = {}
+        self.keeper_set = KeeperSet(run, reporter)  # the job's keepers, by node
         # (generation, step) -> {"world", "ranks": set, "held": {rank: nodes whose keeper acked its copy}}
         self._acks: dict[tuple[int, int], dict[str, Any]] = {}
         self.committed: tuple[int, int] | None = None  # the newest committed snapshot (generation, step)
         self.ever_committed = False
         self.snapshot_errors = 0
         self._asked_keepers = False  # restore_target has asked the keepers once (after our restart: the first)
-        self._pings: dict[str, Any] = {}  # node -> a keeper ping in flight (watch_keepers)
-        self._pinged_at = 0.0
-        self._restarting: dict[str, Any] = {}  # node -> keeper handle started again, once it answered
-        self._restart_threads: dict[str, threading.Thread] = {}
         self._round: _Round | None = None  # the commit's calls to the keepers in flight (commit)
         self._asked_about: tuple[int, int] | None = None  # the last snapshot the keepers were asked about
+
+    @property
+    def keepers(self) -> dict[str, Any]:
+        """The job's keepers' handles, by node name."""
+        return self.keeper_set.handles
+
+    @keepers.setter
+    def keepers(self, handles: dict[str, Any]) -> None:
+        self.keeper_set.handles = handles
 
     def on_ack(self, generation: int, step: int, rank: int, world_size: int, ok: bool,
                acked: list[str] | None = None) -> None:  # fmt: skip
@@ -85,121 +86,6 @@ class SnapshotCommitter:
             entry = self._acks.setdefault(key, {"world": world_size, "ranks": set(), "held": {}})
             entry["ranks"].add(rank)
             entry["held"][rank] = list(acked or [])
-
-    def ensure_keepers(self, slots: list[Any]) -> None:
-        """A keeper on every node the job uses (kept for nodes it used before, while they live).
-
-        Nodes are named from Ray itself (checkpointing.nodes.node_name_of), so this works on any
-        cluster. One node means one copy of each shard: said once, as a warning event."""
-        spec = self.run.spec
-        if not spec.checkpoint.in_memory_every:
-            return
-        from checkpointing.keepers import KeepersNotStarted, ensure_keepers
-        from checkpointing.nodes import dead_node_names, node_ids_by_name
-
-        alive = node_ids_by_name()
-        nodes = {str(s.info["node_name"]) for s in slots if s.info and s.info.get("node_name")}
-        # A node the generation left (lost, most often) may still be in Ray's table for a second or two; its
-        # raylet says it is gone, so no rank tries to restore from its keeper first.
-        with contextlib.suppress(Exception):
-            for name in dead_node_names(sorted(n for n in self.keepers if n not in nodes and n in alive)):
-                alive.pop(name, None)
-        for name in list(self.keepers):
-            if name not in nodes and name not in alive:
-                self.keepers.pop(name)  # its node is gone, and its memory with it
-        self._replace_dead_keepers(alive)
-        missing = sorted(nodes - set(self.keepers))
-        if missing:
-            try:
-                self.keepers.update(ensure_keepers(missing, memory_limit_mb=spec.checkpoint.keeper_memory_limit_mb))
-            except (TimeoutError, ValueError) as e:
-                if isinstance(e, KeepersNotStarted):
-                    self.keepers.update(e.started)
-                    missing = sorted(set(missing) - set(e.started))
-                self.reporter.event("keepers_missing", f"in-memory snapshots: no keeper on node(s) "
-                                    f"{', '.join(missing)} ({e}); their ranks' snapshots go to the other nodes' "
-                                    "keepers", nodes=missing)
-        if not self.keepers:
-            raise JobFailed("checkpoint.in_memory_every is set but no node could hold an in-memory snapshot "
-                            "(no keeper could be started); set checkpoint.in_memory_every: 0 or check the cluster")
-        if len(self.keepers) < 2 and "one_copy" not in self.reporter.warnings:
-            self.reporter.warnings.append("one_copy")
-            only = next(iter(self.keepers))
-            self.reporter.event("warning", f"In-memory snapshots are kept on one node only ({only}): a worker "
-                                "failure recovers from memory, but the loss of that node falls back to the last "
-                                "persistent checkpoint. Add a second node to keep a second copy.",
-                                node=only, copies=1)
-
-    def _replace_dead_keepers(self, alive_nodes: dict[str, str]) -> None:
-        """A keeper that died while its node lives (killed, out of memory) is dropped, said, and started
-        again below; its snapshots are gone, the other copies hold them."""
-        if not self.keepers:
-            return
-        from checkpointing.keepers import alive_keepers
-
-        answering = alive_keepers(self.keepers, timeout_s=5.0)
-        for name in sorted(set(self.keepers) - set(answering)):
-            self.keepers.pop(name)
-            if name in alive_nodes:
-                self._tell_keeper_lost(name)
-
-    def _tell_keeper_lost(self, name: str) -> None:
-        self.reporter.event("keeper_lost", f"The snapshot keeper on node {name} is gone while its node lives; a "
-                            "new one starts there, and the other keepers' copies serve restores meanwhile.",
-                            node=name)
-
-    def watch_keepers(self) -> None:
-        """Called by the watch loop (never blocks): a keeper found dead is dropped and, where its node lives,
-        started again on a thread; it joins the keepers once it answers. Until then the ranks send that
-        node's copies to the next keeper in the ring (checkpointing.snapshot_send)."""
-        if not self.run.spec.checkpoint.in_memory_every:
-            return
-        import ray
-        from ray.exceptions import RayActorError
-
-        for name in [n for n, t in self._restart_threads.items() if not t.is_alive()]:
-            self._restart_threads.pop(name)
-            fresh = self._restarting.pop(name, None)
-            if fresh is not None:
-                self.keepers[name] = fresh
-        if self._pings:
-            done = ready_now(self._pings.values())
-            if len(done) < len(self._pings) and time.monotonic() - self._pinged_at < _KEEPER_START_S:
-                return  # a slow keeper is not a dead one
-            dead = []
-            for name, ref in self._pings.items():
-                try:
-                    ray.get(ref, timeout=0)
-                except RayActorError:
-                    dead.append(name)
-                except Exception:  # noqa: BLE001 - late or busy: asked again next time
-                    pass
-            self._pings = {}
-            for name in dead:
-                self._restart_keeper(name)
-        if self.keepers and time.monotonic() - self._pinged_at >= KEEPER_WATCH_S:
-            self._pinged_at = time.monotonic()
-            self._pings = {n: h.ping.remote() for n, h in self.keepers.items()}
-
-    def _restart_keeper(self, name: str) -> None:
-        from checkpointing.nodes import node_ids_by_name
-
-        self.keepers.pop(name, None)
-        if name not in node_ids_by_name() or name in self._restart_threads:
-            return  # its node is gone too: the failure detector handles that
-        self._tell_keeper_lost(name)
-        limit = self.run.spec.checkpoint.keeper_memory_limit_mb
-
-        def start() -> None:
-            from checkpointing.keepers import ensure_keepers
-
-            try:
-                self._restarting.update(ensure_keepers([name], memory_limit_mb=limit, timeout_s=_KEEPER_START_S))
-            except Exception as e:  # noqa: BLE001 - its node is going: the next re-form sees to it
-                log.warning("starting the keeper on %s again failed: %s", name, e)
-
-        t = self._restart_threads[name] = threading.Thread(target=start, name=f"keeper-{name}", daemon=True)
-        t.start()
 
     def commit(self) -> None:
         """Commit the newest snapshot every rank has acknowledged, up to the last metrics row written

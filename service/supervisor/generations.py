@@ -163,7 +163,7 @@ class Generations:
             run.formed.clear()
             run.step_reports.clear()
         self.detector.stragglers.reset()
-        self.committer.ensure_keepers(slots)
+        self.committer.keeper_set.ensure(slots)
         target = self.committer.restore_target() if restore else None
         if generation == 0 and restore and target == {"step": None, "generation": None}:
             target = {"step": None, "generation": None, "resume": True}  # a persistent checkpoint, if any
@@ -239,7 +239,7 @@ class Generations:
             if run.cancel.is_set():
                 return GenerationEnd.CANCELLED
             self.committer.commit()  # flushes the metrics rows first
-            self.committer.watch_keepers()
+            self.committer.keeper_set.watch()
             self.reporter.maybe_flush_logs()
             self.pool.advance()
             self.ahead.start([(r.index, r.node_name) for r in self.pool.in_state(ReplicaState.READY) if r.node_name],

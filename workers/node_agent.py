@@ -17,6 +17,7 @@ the Ray actor around it.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -25,6 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from workers.protocol import FaultNote, Heartbeat, NodeBatch, Note, RankLost, SnapshotAck
+
+log = logging.getLogger("unbroken.agent")
 
 CHECK_S = 0.1  # how often the agent looks at its ranks' processes
 # Agents form a tree: up to FANIN nodes' agents send their batches to their group's leader (one of
@@ -37,6 +40,9 @@ FANIN = 16
 PATIENCE_FACTOR = 3.0
 PATIENCE_HALF_LIFE_S = 60.0
 PATIENCE_CEILING_S = 30.0
+# A sync through a leader that has not answered within this asks whether the leader's node is gone (its
+# raylet refuses connections): Ray says a lost node's actors are dead only after 1-2 s.
+LEADER_CHECK_S = 0.25
 
 
 @dataclass
@@ -336,6 +342,32 @@ def process_state(pid: int | None) -> str:
     return {"Z": "gone", "X": "gone", "T": "stopped", "t": "stopped"}.get(state, "alive")
 
 
+class LeaderLost(Exception):
+    """The group leader's agent is gone (dead, or on a node that is gone)."""
+
+
+def _through_leader(ref: Any, leader_node: str | None, timeout_s: float) -> None:
+    """Wait for a call to the group leader's agent; LeaderLost once the leader is known gone, however
+    long Ray has yet to take to say so; TimeoutError after timeout_s."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    from checkpointing.nodes import dead_node_names
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if ray.wait([ref], timeout=LEADER_CHECK_S)[0]:
+            try:
+                ray.get(ref)
+                return
+            except RayActorError as e:  # dead, or unreachable (ActorUnavailableError): passed by either way
+                raise LeaderLost(f"the group leader's agent is dead or unreachable ({type(e).__name__})") from e
+        if leader_node is not None and dead_node_names([leader_node]):
+            raise LeaderLost(f"the group leader's node {leader_node} is gone")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the group leader's agent on node {leader_node} did not answer in {timeout_s:.0f}s")
+
+
 class NodeAgent:
     """The Ray actor (`job-<id>/agent-<node>`, on its node, threaded): ranks `report` to it; it sends
     `supervisor.report(NodeBatch)` every interval_s, and at once when a rank is lost."""
@@ -346,6 +378,7 @@ class NodeAgent:
         self.agg = NodeAggregator(name, node, heartbeat_timeout_s)
         self.supervisor = supervisor
         self.upstream = supervisor  # where batches go: the supervisor, or the group leader's agent
+        self.leader_node: str | None = None  # the node of the group leader's agent, when it is the upstream
         self.interval_s = interval_s
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -362,11 +395,13 @@ class NodeAgent:
                 self.agg.own(worker, rank, generation, pid, now, handle)
             return len(self.agg.ranks)
 
-    def set_upstream(self, upstream: Any, members: list[str], member_timeout_s: float) -> None:
-        """Send batches to `upstream` (the group leader's agent; None: the supervisor) and lead `members`
-        (the group's other nodes, when this agent is their leader)."""
+    def set_upstream(self, upstream: Any, members: list[str], member_timeout_s: float,
+                     leader_node: str | None = None) -> None:  # fmt: skip
+        """Send batches to `upstream` (the group leader's agent, on node `leader_node`; None: the
+        supervisor) and lead `members` (the group's other nodes, when this agent is their leader)."""
         with self._lock:
             self.upstream = upstream if upstream is not None else self.supervisor
+            self.leader_node = leader_node if upstream is not None else None
             self.agg.lead(members, time.time(), member_timeout_s)
 
     def local_ranks(self, generation: int) -> list[int]:
@@ -415,15 +450,22 @@ class NodeAgent:
     def sync(self, timeout_s: float = 10.0) -> None:
         """Send what is pending now and return once the supervisor has taken it (through the leader when
         this agent has one). A rank calls it before its run returns, so a fast job's last rows and acks
-        reach the supervisor before it sees the run end."""
+        reach the supervisor before it sees the run end. A leader found gone (its actor dead, or its node:
+        a node lost while the ranks paused to grow) is passed by: the batch goes to the supervisor, and
+        the ranks' leave does not wait the 1-2 s Ray takes to call the leader dead."""
         import ray  # the simulator drives this class's aggregator without Ray
 
         with self._lock:
             batch = self.agg.flush(time.time())
-            upstream = self.upstream
-        ray.get(upstream.report.remote(batch), timeout=timeout_s)
+            upstream, leader = self.upstream, self.leader_node
         if upstream is not self.supervisor:
-            ray.get(upstream.sync.remote(timeout_s), timeout=timeout_s)
+            try:
+                _through_leader(upstream.report.remote(batch), leader, timeout_s)
+                _through_leader(upstream.sync.remote(timeout_s), leader, timeout_s)
+                return
+            except LeaderLost as e:
+                log.warning("%s: %s; its batch goes to the supervisor", self.agg.node, e)
+        ray.get(self.supervisor.report.remote(batch), timeout=timeout_s)
 
     # ----------------------------------------------------------------- loops
     def _handles(self) -> list[LocalRank]:

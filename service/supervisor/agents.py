@@ -285,7 +285,7 @@ def start_agents(tracker: AgentTracker, slots: list[Any], generation: int, timeo
     for leader, members in groups.items():  # the tree: members send to their leader, leaders here
         patience = tracker.interval_s * tracker.member_misses
         refs.append(tracker.handles[leader].set_upstream.remote(None, members, patience))
-        refs += [tracker.handles[m].set_upstream.remote(tracker.handles[leader], [], patience)
+        refs += [tracker.handles[m].set_upstream.remote(tracker.handles[leader], [], patience, leader)
                  for m in members if m != leader]
     ray.get(refs, timeout=timeout_s)
     with run.lock:

@@ -3,6 +3,7 @@ folding a node's notes into one batch, finding lost ranks, and the scale simulat
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -291,6 +292,63 @@ def bc_cluster() -> Iterator[Any]:
     from tests.runtime.conftest import make_cluster
 
     yield from make_cluster(0, {"b": 1, "c": 1})
+
+
+def test_a_sync_passes_a_leader_whose_node_is_gone(bc_cluster: Any, tmp_path: Path) -> None:
+    """A rank's last notes before its run returns (NodeAgent.sync) go through its group's leader; with the
+    leader's node lost (as when a node dies while the ranks pause to grow) they go to the supervisor
+    straight away, not after Ray calls the leader dead. Node agents on c (member) and on a new node d
+    (its leader) report to the supervisor's real receiving parts (AgentTracker, SnapshotCommitter),
+    hosted by a small actor."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from checkpointing.nodes import node_ids_by_name
+    from workers.node_agent import NodeAgent
+
+    @ray.remote(num_cpus=0)
+    class Inbox:
+        """The supervisor actor's handling of a node batch (Supervisor.report), on its real parts."""
+
+        def __init__(self, tmp: str) -> None:
+            self.run, _, self.committer = _run(Path(tmp))
+            self.tracker = AgentTracker(self.run, self.committer.on_ack, lambda n: None)
+
+        def report(self, note: NodeBatch) -> None:
+            with self.run.lock:
+                self.tracker.on_batch(note, time.time())
+
+        def acked(self) -> dict[tuple[int, int], list[int]]:
+            return {k: sorted(v["ranks"]) for k, v in self.committer._acks.items()}
+
+    agents: dict[str, Any] = {}
+    bc_cluster.add_node("d", num_cpus=1)
+    try:
+        ids = node_ids_by_name()
+        inbox = Inbox.remote(str(tmp_path))
+        agents.update({n: ray.remote(NodeAgent).options(
+            num_cpus=0, max_concurrency=16, scheduling_strategy=NodeAffinitySchedulingStrategy(ids[n], soft=False),
+        ).remote(f"job-j/agent-{n}", n, inbox, 30.0, 5.0) for n in ("c", "d")})  # no batch but the syncs'
+        ray.get([agents["d"].set_upstream.remote(None, ["c"], 5.0),
+                 agents["c"].set_upstream.remote(agents["d"], [], 5.0, "d"),
+                 agents["c"].own.remote([(f"w{r}", r, 2, os.getpid(), None) for r in (0, 1)])], timeout=60)
+
+        def ack(step: int) -> SnapshotAck:  # rank 0's; rank 1's never comes, so no batch leaves early
+            return SnapshotAck("w0", 2, 0, time.time(), step=step, ok=True, world_size=2, acked=["c"])
+
+        ray.get(agents["c"].report.remote(ack(7)), timeout=30)
+        ray.get(agents["c"].sync.remote(), timeout=60)  # through the live leader
+        assert ray.get(inbox.acked.remote(), timeout=30) == {(2, 7): [0]}
+        bc_cluster.kill_node("d")
+        ray.get(agents["c"].report.remote(ack(8)), timeout=30)
+        ray.get(agents["c"].sync.remote(), timeout=60)  # the leader is gone: straight to the supervisor
+        assert ray.get(inbox.acked.remote(), timeout=30) == {(2, 7): [0], (2, 8): [0]}
+    finally:
+        if "d" in bc_cluster.nodes:
+            bc_cluster.kill_node("d")
+        for a in agents.values():
+            with contextlib.suppress(Exception):
+                ray.kill(a)
 
 
 def test_a_hung_node_is_found_by_its_group_leaders_agent(bc_cluster: Any, tmp_path: Path) -> None:

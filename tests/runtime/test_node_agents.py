@@ -325,7 +325,8 @@ def test_a_sync_passes_a_leader_whose_node_is_gone(bc_cluster: Any, tmp_path: Pa
     bc_cluster.add_node("d", num_cpus=1)
     try:
         ids = node_ids_by_name()
-        inbox = Inbox.remote(str(tmp_path))
+        inbox = Inbox.options(  # (a 0-CPU actor may land on any node: not on d, which is killed)
+            scheduling_strategy=NodeAffinitySchedulingStrategy(ids["head"], soft=False)).remote(str(tmp_path))
         agents.update({n: ray.remote(NodeAgent).options(
             num_cpus=0, max_concurrency=16, scheduling_strategy=NodeAffinitySchedulingStrategy(ids[n], soft=False),
         ).remote(f"job-j/agent-{n}", n, inbox, 30.0, 5.0) for n in ("c", "d")})  # no batch but the syncs'

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 
@@ -41,3 +42,15 @@ def pytest_unconfigure(config: object) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(_STATUS["exit"])
+
+
+@pytest.fixture(scope="module")
+def local_ray() -> Iterator[None]:
+    """A one-CPU local Ray instance (no dashboard) for a module's tests, shut down after them."""
+    import ray
+
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()

@@ -10,11 +10,9 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 import ray
 
 from service.spec import JobSpec
@@ -25,15 +23,6 @@ from service.supervisor.spare_watch import SpareWatch
 from workers.protocol import Note
 
 TIMEOUT_S = 20.0
-
-
-@pytest.fixture(scope="module")
-def local_ray() -> Iterator[None]:
-    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
 
 
 @ray.remote(num_cpus=0)

@@ -4,21 +4,7 @@ its own claim and fires."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import pytest
-import ray
-
 from workers.chaos import Fault, claim_once, forget_claims
-
-
-@pytest.fixture(scope="module")
-def local_ray() -> Iterator[None]:
-    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
 
 
 def test_first_claimer_wins_and_a_retried_put_keeps_its_claim(local_ray: None) -> None:

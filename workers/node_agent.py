@@ -452,7 +452,8 @@ class NodeAgent:
         this agent has one). A rank calls it before its run returns, so a fast job's last rows and acks
         reach the supervisor before it sees the run end. A leader found gone (its actor dead, or its node:
         a node lost while the ranks paused to grow) is passed by: the batch goes to the supervisor, and
-        the ranks' leave does not wait the 1-2 s Ray takes to call the leader dead."""
+        the ranks' leave does not wait the 1-2 s Ray takes to call the leader dead. Later batches go there
+        too, until the next generation's set_upstream names a leader again."""
         import ray  # the simulator drives this class's aggregator without Ray
 
         with self._lock:
@@ -464,7 +465,10 @@ class NodeAgent:
                 _through_leader(upstream.sync.remote(timeout_s), leader, timeout_s)
                 return
             except LeaderLost as e:
-                log.warning("%s: %s; its batch goes to the supervisor", self.agg.node, e)
+                log.warning("%s: %s; its batches go to the supervisor", self.agg.node, e)
+                with self._lock:
+                    if self.upstream is upstream:  # (not if a new generation named another leader meanwhile)
+                        self.upstream, self.leader_node = self.supervisor, None
         ray.get(self.supervisor.report.remote(batch), timeout=timeout_s)
 
     # ----------------------------------------------------------------- loops

@@ -71,10 +71,6 @@ class SnapshotCommitter:
         """The job's keepers' handles, by node name."""
         return self.keeper_set.handles
 
-    @keepers.setter
-    def keepers(self, handles: dict[str, Any]) -> None:
-        self.keeper_set.handles = handles
-
     def on_ack(self, generation: int, step: int, rank: int, world_size: int, ok: bool,
                acked: list[str] | None = None) -> None:  # fmt: skip
         """A rank's snapshot note (called under the run's lock); `acked`: the nodes holding its copies."""

@@ -42,18 +42,14 @@ class KeeperSet:
         if not spec.checkpoint.in_memory_every:
             return
         from checkpointing.keepers import KeepersNotStarted, ensure_keepers
-        from checkpointing.nodes import dead_node_names, node_ids_by_name
+        from checkpointing.nodes import node_ids_by_name
 
         alive = node_ids_by_name()
         nodes = {str(s.info["node_name"]) for s in slots if s.info and s.info.get("node_name")}
-        # A node the generation left (lost, most often) may still be in Ray's table for a second or two; its
-        # raylet says it is gone, so no rank tries to restore from its keeper first.
-        with contextlib.suppress(Exception):
-            for name in dead_node_names(sorted(n for n in self.handles if n not in nodes and n in alive)):
-                alive.pop(name, None)
-        for name in list(self.handles):
-            if name not in nodes and name not in alive:
-                self.handles.pop(name)  # its node is gone, and its memory with it
+        # A node the generation left (lost, most often): no rank tries to restore from its keeper first.
+        for name in _nodes_gone([n for n in self.handles if n not in nodes], alive):
+            self.handles.pop(name)  # its node is gone, and its memory with it
+            alive.pop(name, None)
         self._replace_dead(alive)
         missing = sorted(nodes - set(self.handles))
         if missing:
@@ -132,7 +128,7 @@ class KeeperSet:
         from checkpointing.nodes import node_ids_by_name
 
         self.handles.pop(name, None)
-        if name not in node_ids_by_name() or name in self._restart_threads:
+        if name in self._restart_threads or _nodes_gone([name], node_ids_by_name()):
             return  # its node is gone too: the failure detector handles that
         self._tell_lost(name)
         limit = self.run.spec.checkpoint.keeper_memory_limit_mb
@@ -147,3 +143,14 @@ class KeeperSet:
 
         t = self._restart_threads[name] = threading.Thread(target=start, name=f"keeper-{name}", daemon=True)
         t.start()
+
+
+def _nodes_gone(names: list[str], alive: dict[str, str]) -> set[str]:
+    """Those of the node names `names` that are gone: out of Ray's table (`alive`, name -> id), or still in
+    it for a second or two after their loss while their raylet refuses connections."""
+    from checkpointing.nodes import dead_node_names
+
+    gone = {n for n in names if n not in alive}
+    with contextlib.suppress(Exception):  # the GCS busy: the table's word alone
+        gone |= dead_node_names(sorted(n for n in names if n in alive))
+    return gone

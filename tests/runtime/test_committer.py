@@ -47,7 +47,7 @@ def _committer(tmp_path: Path, keepers: dict[str, Any]) -> SnapshotCommitter:
     reporter = Reporter(run, None)
     reporter.last_row_step = 100  # every step's metrics row is written: the commit may go up to it
     committer = SnapshotCommitter(run, reporter)
-    committer.keepers = dict(keepers)
+    committer.keeper_set.handles = dict(keepers)
     return committer
 
 

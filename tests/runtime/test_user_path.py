@@ -257,6 +257,8 @@ def _lose_a_pod(tmp: Path, cluster: RayStartCluster, client: Any) -> None:
     first_grow = min(e.ts for e in events if e.kind == "resized" and (e.data or {}).get("cause") == "growth")
     assert len(ahead) == 1 and ahead[0].ts < first_grow, [(e.kind, e.message) for e in events]
     assert "agents_missing" not in [e.kind for e in events]
+    # The lost pod's keeper went with its pod: never said lost "while its node lives" (nor started there again).
+    assert "keeper_lost" not in [e.kind for e in events], [e.message for e in events if e.kind == "keeper_lost"]
     print(f"new pod: {ahead[0].message} {grown.message}")
     rows = client.metrics(job.id)
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))

@@ -327,7 +327,8 @@ class Controller:
                                 timeout_s=_SURVIVOR_ROWS_S)
         lost_nodes = {str((s.info or {}).get("node_id")) for s in failure.slots} \
             if failure.kind == FailureKind.NODE_DIED else set()
-        pool.drop_ready_on_lost_nodes(lost_nodes)  # (the survivors are READY by now: none is on a lost node)
+        if lost_nodes:  # (the survivors are READY by now: none is on a lost node; a worker's death reads no table)
+            pool.drop_ready_on_gone_nodes(lost_nodes)
         spares_before = [r.index for r in pool.in_state(ReplicaState.READY) if r.index not in {a.index for a in active}]
         dp = self._choose_dp()
         if dp is None:
@@ -359,6 +360,7 @@ class Controller:
         old_dp, paused = run.dp, max(steps, default=gens.pausing)
         gens.pausing = None
         self._await_commit(paused)
+        pool.drop_ready_on_gone_nodes()  # a node lost during the pause: grow without its replica
         ready = pool.in_state(ReplicaState.READY)
         new_dp = min(gens.target, len(active) + len(ready))
         if new_dp < len(active):
@@ -374,11 +376,14 @@ class Controller:
         lost = None if paused is None or restored is None else max(0, paused - restored[1])
         cause = "scheduler" if gens.target_reason else "growth"
         why = f": {gens.target_reason}" if gens.target_reason else ""
-        self.reporter.event("resized", f"dp {old_dp} -> {new_dp} (world {old_dp * run.mp} -> {new_dp * run.mp})"
-                            f" at step {paused}{why}; {lost if lost is not None else '?'} step(s) lost",
+        change = f"dp {old_dp} -> {new_dp} (world {old_dp * run.mp} -> {new_dp * run.mp}) at step {paused}{why}" \
+            if new_dp != old_dp else f"dp stays {new_dp} at step {paused}{why}: the replicas to take in were lost " \
+            "during the pause"
+        self.reporter.event("resized", f"{change}; {lost if lost is not None else '?'} step(s) lost",
                             old_dp=old_dp, new_dp=new_dp, generation=run.generation, cause=cause,
                             reason=gens.target_reason or None, step=paused, lost_steps=lost)
-        self.reporter.to(JobState.RUNNING, f"{'grown' if new_dp > old_dp else 'shrunk'} to dp={new_dp}")
+        how = "grown" if new_dp > old_dp else "shrunk" if new_dp < old_dp else "re-formed"
+        self.reporter.to(JobState.RUNNING, f"{how} to dp={new_dp}")
         return Running()
 
     # ----------------------------------------------------------------- helpers

@@ -289,13 +289,14 @@ class ReplicaPool:
             s.result = s.result or RunResult(RunStatus.DEAD, s.name, generation, s.rank, 0, error="lost with its node")
             self.write_off(s, "lost with its node")
 
-    def drop_ready_on_lost_nodes(self, lost: set[str]) -> None:
-        """Before a recovery from a node's loss picks its members: READY replicas (spares) on a node that is
-        gone, one of `lost` (the Ray node ids lost) or another found gone now (checkpointing.nodes), are dropped. Their
-        heartbeats would tell only after heartbeat_timeout_s; a generation launched with one would fail
-        again at once, its other ranks waiting in the rendezvous for it."""
+    def drop_ready_on_gone_nodes(self, lost: Collection[str] = ()) -> None:
+        """Before members are picked (a recovery from a node's loss, a grow): READY replicas (spares, or
+        those about to join) on a node that is gone, one of `lost` (the Ray node ids lost) or another found
+        gone now (checkpointing.nodes), are dropped. Their heartbeats would tell only after
+        heartbeat_timeout_s; a generation launched with one would fail again at once, its other ranks
+        waiting in the rendezvous for it."""
         ready = self.in_state(ReplicaState.READY)
-        if not ready or not lost:  # no node was lost: nothing to look for (a worker's death reads no table)
+        if not ready:
             return
         from checkpointing.nodes import dead_node_ids
 

@@ -2,7 +2,8 @@
 
 kill_node on rank 0 SIGKILLs its node's raylet (whichever of b, c it is): the job shrinks 4 -> 2;
 the node started again under its name lets it grow back to 4 at a snapshot boundary, with the
-fault-free losses.
+fault-free losses. That node is lost again as the job pauses to grow onto it: the grow leaves its replica
+out (no generation is launched with a dead member), and a third node grows the job back.
 Then, with dp.min = 4, a node loss leaves the job below its minimum: it waits, fails with a
 clear reason and releases everything. First, a warm spare that shares the lost node with a rank of the
 group is dropped with it, never swapped in.
@@ -22,6 +23,7 @@ from tests.runtime.conftest import make_cluster
 from tests.runtime.jobs import JobRun, assert_no_leaks, assert_same_losses, paced, tiny_spec, worker_infos
 
 STEPS = 60
+GROW_STEPS = 90  # room for two grows after the loss
 SLOW = paced(4, 0.4)  # time to grow
 
 
@@ -80,14 +82,14 @@ def test_a_spare_lost_with_its_node_is_not_swapped_in(nodes_cluster: LocalCluste
 
 
 def test_node_loss_shrinks_then_a_new_node_grows_it_back(nodes_cluster: LocalCluster, tmp_path: Path) -> None:
-    ref_run = JobRun(tiny_spec(tmp_path / "ref", steps=STEPS))
+    ref_run = JobRun(tiny_spec(tmp_path / "ref", steps=GROW_STEPS))
     ref_run.wait()
     ref_run.finish()
     assert ref_run.status["state"] == "SUCCEEDED", ref_run.events
     ref = ref_run.rows()
 
     chaos = [*SLOW, {"kind": "kill_node", "step": 3, "rank": 0}]
-    run = JobRun(tiny_spec(tmp_path / "job", steps=STEPS, chaos=chaos))
+    run = JobRun(tiny_spec(tmp_path / "job", steps=GROW_STEPS, chaos=chaos))
     added: list[str] = []
     gens: list[dict[str, Any]] = []
 
@@ -101,6 +103,12 @@ def test_node_loss_shrinks_then_a_new_node_grows_it_back(nodes_cluster: LocalClu
             nodes_cluster.kill_node(lost)  # (its raylet is dead already: this reaps what is left)
             nodes_cluster.add_node(lost, num_cpus=1)
             added.append(lost)
+        if ev["kind"] == "growing" and ev["data"]["target_dp"] == 4 and len(added) == 1:
+            # Lost again as the group pauses to grow onto it (the pause ends two steps on), then a third
+            # node brings the capacity back.
+            nodes_cluster.kill_node(added[0])
+            added.append(f"{added[0]}x")
+            nodes_cluster.add_node(added[1], num_cpus=1)
 
     try:
         run.wait(timeout_s=600, on_event=on_event)
@@ -110,12 +118,22 @@ def test_node_loss_shrinks_then_a_new_node_grows_it_back(nodes_cluster: LocalClu
         resizes = [(e["data"]["old_dp"], e["data"]["new_dp"]) for e in run.of("resized")]
         # Shrink to the two workers left, then grow back to 4 (in one step or as replicas get ready).
         assert resizes[0] == (4, 2) and resizes[-1][1] == 4, resizes
-        assert all(e["data"]["cause"] == "growth" for e in run.of("resized")[1:])
+        assert all(e["data"]["cause"] == "growth" for e in run.of("resized")[1:]), [e["message"] for e in run.of("resized")]
+        # The node lost as the job paused to grow onto it: its replica is dropped before the launch, so the
+        # next generation forms at dp 2 without it, and nothing fails (before, a generation was launched
+        # with the dead replica, and failed at once: a second recovery).
+        assert len(added) == 2, [e["message"] for e in run.events[-12:]]
+        assert len(run.of("failure_detected")) == 1, [e["message"] for e in run.of("failure_detected")]
+        first_grow = next(e for e in run.of("growing") if e["data"]["target_dp"] == 4)
+        after = [e for e in run.events if e["id"] > first_grow["id"]]
+        gen_after = next(e["data"] for e in after if e["kind"] == "generation")
+        assert gen_after["dp"] == 2 and added[0] not in gen_after["nodes"], gen_after
+        assert any(e["kind"] == "spare_lost" and e["data"].get("node") == added[0] for e in after), run.kinds()
         # The grown generation's ranks on the node that came back report through its new agent.
         assert not run.of("agents_missing"), [e["message"] for e in run.of("agents_missing")]
-        assert added and added[0] in run.of("generation")[-1]["data"]["agents"], run.of("generation")[-1]
+        assert added[1] in run.of("generation")[-1]["data"]["agents"], run.of("generation")[-1]
         # Its keeper and agent were started, and answered, while the group trained on: before the pause.
-        ready = [e for e in run.of("helpers_ready") if e["data"]["node"] == added[0] and not e["data"].get("late")]
+        ready = [e for e in run.of("helpers_ready") if e["data"]["node"] == added[1] and not e["data"].get("late")]
         growing = [e for e in run.of("growing") if e["data"]["target_dp"] == 4]
         assert ready and growing and ready[0]["id"] < growing[-1]["id"], [e["message"] for e in run.events[-12:]]
         for ev in run.of("recovered"):

@@ -86,6 +86,7 @@ class LocalRank:
     seen: float  # when the agent last heard from it (or was told to own it)
     handle: Any = None
     lost: bool = False
+    alive_at: float | None = None  # the agent's last look that found its process alive
 
 
 @dataclass
@@ -279,13 +280,16 @@ class NodeAggregator:
             if state in LOST_BY_STATE:
                 kind, said = LOST_BY_STATE[state]
                 detail = f"{r.worker} (rank {r.rank}): {said} (seen by {self.name})"
-                t_fault = now if state == "gone" else r.seen  # a stopped rank stopped when it fell silent
+                # When it died is not known, only that it was alive at the last look: the detection it
+                # counts is then an upper bound. A stopped rank stopped when it fell silent.
+                t_fault = (r.alive_at if r.alive_at is not None else now) if state == "gone" else r.seen
             elif now - r.seen > self.heartbeat_timeout_s:
                 kind = "hang"
                 detail = (f"{r.worker} (rank {r.rank}) sent no note for {now - r.seen:.1f}s; "
                           f"heartbeat_timeout_s={self.heartbeat_timeout_s:g}")
                 t_fault = r.seen
             else:
+                r.alive_at = now
                 continue
             r.lost = True
             self._p.lost.append(RankLost(r.worker, r.rank, r.generation, kind, detail, t_fault, now))

@@ -136,7 +136,7 @@ class RankLost:
     generation: int
     kind: str  # "died" | "stopped" | "hang"
     detail: str
-    t_fault: float | None  # its last heartbeat (hang) or when its exit was first seen (died)
+    t_fault: float | None  # its last heartbeat (hang, stopped) or the agent's last look that found it alive (died)
     t_seen: float
 
 

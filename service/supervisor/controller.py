@@ -344,7 +344,8 @@ class Controller:
         self.gens.tell_swap([r for r in reps if r.index in spares_before], lost, old_dp, dp)
         reporter.begin_recovery(RecoveryTiming(
             kind=failure.kind.value, cause=failure.cause(), t_fault=failure.t_fault, t_detect=t_detect,
-            t_launch=t_launch, last_step=last_step, generation=run.generation).after(earlier))
+            t_launch=t_launch, last_step=last_step, generation=run.generation,
+            failed=tuple(s.name for s in failure.slots), failed_generation=old_gen).after(earlier))
         self.gens.fit_pool()  # replacements (a new spare) come once the new generation completed a step
         reporter.to(JobState.RUNNING, f"re-formed at dp={dp}")
         return Running()

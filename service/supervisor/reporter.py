@@ -40,6 +40,8 @@ class RecoveryTiming:
     last_step: int
     generation: int
     interrupted: int = 0  # earlier recoveries a new failure cut short before their first step
+    failed: tuple[str, ...] = ()  # the workers whose failure it recovers from (fault_seen)
+    failed_generation: int = -1  # the generation they failed in
 
     def after(self, earlier: RecoveryTiming | None) -> RecoveryTiming:
         """This recovery as the continuation of `earlier`, one a new failure interrupted: it is timed from
@@ -48,7 +50,8 @@ class RecoveryTiming:
             return self
         return replace(self, t_fault=earlier.t_fault, t_detect=earlier.t_detect, last_step=earlier.last_step,
                        cause=f"{self.cause} (after {earlier.cause}, whose recovery it interrupted)",
-                       interrupted=earlier.interrupted + 1)
+                       interrupted=earlier.interrupted + 1, failed=earlier.failed,
+                       failed_generation=earlier.failed_generation)
 
 
 class Reporter:
@@ -307,6 +310,14 @@ class Reporter:
     # ----------------------------------------------------------------- recovery timing
     def begin_recovery(self, rec: RecoveryTiming) -> None:
         self.recovery, self._recovered_row = rec, None
+
+    def fault_seen(self, worker: str, generation: int, t_fault: float) -> None:
+        """A node agent's word of a death that Ray reported first (with no time of its own): when the worker
+        was last seen alive, which the current recovery takes as its fault time if it has none."""
+        rec = self.recovery
+        if rec is None or rec.t_fault is not None or generation != rec.failed_generation or worker not in rec.failed:
+            return
+        rec.t_fault = min(t_fault, rec.t_detect)
 
     def recovering_for(self) -> float:
         """Seconds since the current recovery launched its generation, while it has not completed a step;

@@ -23,9 +23,9 @@ from service.supervisor.committer import SnapshotCommitter
 from service.supervisor.context import JobRun
 from service.supervisor.detection import FailureDetector
 from service.supervisor.pool import Slot
-from service.supervisor.reporter import Reporter
+from service.supervisor.reporter import RecoveryTiming, Reporter
 from workers.node_agent import NodeAggregator, agent_groups, process_state
-from workers.protocol import CheckpointReport, Heartbeat, NodeBatch, SnapshotAck, StepReport
+from workers.protocol import CheckpointReport, Heartbeat, NodeBatch, RankLost, SnapshotAck, StepReport
 
 
 def _run(tmp_path: Path) -> tuple[JobRun, Reporter, SnapshotCommitter]:
@@ -88,6 +88,7 @@ def test_the_agent_finds_a_dead_and_a_silent_rank_and_the_detector_names_them(tm
         tracker.on_batch(agg.flush(1.5), now=1.5)
     f = detector.from_agents(tracker.take_lost(), tracker.silent(1.5), slots, 1.5)
     assert f is not None and f.kind == FailureKind.WORKER_DIED and [s.name for s in f.slots] == ["w1"]
+    assert f.t_fault == 1.0  # when it died is not known: it was alive at the look before (an upper bound)
     assert not agg.check(1.6, lambda r: "gone" if r.worker == "w1" else "alive")  # said once
     agg.collect(_hb("w0", 0, 3), now=1.0)
     assert agg.check(3.5, lambda r: "alive")  # w0 silent for 2.5 s > 2 s
@@ -197,6 +198,31 @@ def test_a_silent_node_is_written_off_only_when_confirmed_and_a_false_alarm_buys
     silent = [("n0", now - 0.5)]
     assert tracker.judge(silent, now, {"n0": "answered"}, {"n0"}) == silent
     assert tracker.false_alarms == alarms and events[-1][0] == "agent_lost"
+
+
+def test_a_death_ray_told_of_first_takes_its_time_from_the_agents_later_word(tmp_path: Path) -> None:
+    """Ray's word of a death carries no time, so a recovery it started has no detection to count. The
+    agent's word comes in the next generation's watch: the time it last saw the process alive becomes the
+    recovery's fault time (never later than its detection). Words of other workers, other generations,
+    or hangs change nothing, and the first word stands."""
+    run, reporter, _ = _run(tmp_path)  # generation 2: the recovery's
+    detector = FailureDetector(run, reporter, StragglerPolicy(3.0))
+    reporter.begin_recovery(RecoveryTiming(kind="worker_died", cause="the loss of rank 1", t_fault=None,
+                                           t_detect=10.0, t_launch=10.1, last_step=5, generation=2,
+                                           failed=("w1",), failed_generation=1))
+    slots = [Slot(f"w{r}", None, r, 0, info={"node_name": "a"}, rank=r) for r in (0, 2)]
+    others = [RankLost("w2", 2, 1, "died", "", 9.0, 10.2), RankLost("w1", 1, 0, "died", "", 8.0, 10.2),
+              RankLost("w1", 1, 1, "stopped", "", 9.5, 10.2)]
+    assert detector.from_agents(others, [], slots, 10.2) is None
+    assert reporter.recovery is not None and reporter.recovery.t_fault is None
+    assert detector.from_agents([RankLost("w1", 1, 1, "died", "", 9.93, 10.25)], [], slots, 10.25) is None
+    assert reporter.recovery.t_fault == 9.93
+    reporter.fault_seen("w1", 1, 9.5)
+    assert reporter.recovery.t_fault == 9.93
+    # Never later than Ray's word (two processes' clocks, a few ms apart): a detection of 0, not below.
+    reporter.begin_recovery(dataclasses.replace(reporter.recovery, t_fault=None))
+    reporter.fault_seen("w1", 1, 10.05)
+    assert reporter.recovery.t_fault == 10.0
 
 
 def test_a_leader_gives_a_slow_member_back_its_watch_and_more_patience() -> None:

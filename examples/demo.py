@@ -118,6 +118,7 @@ EVENT_STYLE = {
     "resized": ("RESIZE", "bold yellow"),
     "growing": ("GROW", "yellow"),
     "recovered": ("RECOVERED", "bold green"),
+    "resumed": ("RESUMED", "green"),
     "recovery_interrupted": ("INTERRUPTED", "bold yellow"),
     "warning": ("WARNING", "bold yellow"),
     "checked": ("CHECKED", "dim"),

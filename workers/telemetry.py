@@ -76,6 +76,8 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef("unbroken_checkpoint_seconds", "histogram", "time to write one persistent checkpoint", JOB_RANK),
     MetricDef("unbroken_checkpoint_bytes", "gauge", "bytes of the last persistent checkpoint of a rank", JOB_RANK),
     MetricDef("unbroken_recoveries_total", "counter", "recoveries of a job, by cause", ("job_id", "cause")),
+    MetricDef("unbroken_pause_seconds", "histogram", "training time a re-form paused the job (last step of one "
+              "generation to the first of the next, less that step), by cause", ("job_id", "cause")),
     MetricDef("unbroken_dp_degree", "gauge", "data-parallel degree of the job now", ("job_id",)),
     MetricDef("unbroken_generation", "gauge", "generation of the job's worker group", ("job_id",)),
     MetricDef("unbroken_spares", "gauge", "warm spare replicas ready beside the job's group (resources.spares)",
@@ -223,6 +225,16 @@ def record_recovery(job_id: str, cause: str) -> None:
     if ms is None:
         return
     ms["unbroken_recoveries_total"].inc(1.0, tags={"job_id": str(job_id), "cause": str(cause)})
+
+
+@_never_raises
+def record_pause(job_id: str, cause: str, seconds: float) -> None:
+    """One re-form's pause of training (service.supervisor.pauses); cause: a failure's kind, growth,
+    scheduler or re-form, a small set."""
+    ms = _get()
+    if ms is None:
+        return
+    ms["unbroken_pause_seconds"].observe(float(seconds), tags={"job_id": str(job_id), "cause": str(cause)})
 
 
 _spares: dict[str, int] = {}  # job -> warm spares last recorded (re-set with the group's shape)

@@ -337,6 +337,7 @@ class Controller:
             self._check_resize_fits(dp)
         reps = pool.members(dp, keep=[r.index for r in active])
         t_launch = time.time()
+        reporter.pauses.formed_for(old_gen + 1, failure.kind.value)
         self.gens.launch(old_gen + 1, reps, restore=True)
         if dp != old_dp:
             reporter.event("resized", f"dp {old_dp} -> {dp} (world {old_dp * run.mp} -> {dp * run.mp})",
@@ -372,10 +373,11 @@ class Controller:
         else:  # ready replicas join; those left out (on other nodes where possible) stay as spares
             reps = pool.members(new_dp, keep=[r.index for r in active])
         restored = self.committer.committed
+        cause = "scheduler" if gens.target_reason else "growth"
+        self.reporter.pauses.formed_for(run.generation + 1, cause)
         gens.launch(run.generation + 1, reps, restore=True)
         gens.fit_pool()
         lost = None if paused is None or restored is None else max(0, paused - restored[1])
-        cause = "scheduler" if gens.target_reason else "growth"
         why = f": {gens.target_reason}" if gens.target_reason else ""
         change = f"dp {old_dp} -> {new_dp} (world {old_dp * run.mp} -> {new_dp * run.mp}) at step {paused}{why}" \
             if new_dp != old_dp else f"dp stays {new_dp} at step {paused}{why}: the replicas to take in were lost " \

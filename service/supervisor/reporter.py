@@ -16,6 +16,7 @@ from typing import Any
 
 from service.state_machine import STORE_STATUS, JobState
 from service.supervisor.context import JobRun
+from service.supervisor.pauses import Pause, PauseClock
 from service.supervisor.store_writer import StoreWriter
 from service.supervisor.words import SOURCE_WORDS, first_line, fmt_s, plural
 from workers import telemetry
@@ -71,6 +72,8 @@ class Reporter:
         self.checkpoints_written = 0  # persistent checkpoints this supervisor saw written
         self.recovery: RecoveryTiming | None = None
         self._recovered_row: dict[str, Any] | None = None  # the new generation's first row, kept until formed
+        self.pauses = PauseClock()  # the controller names why each generation forms
+        self._recovery_pause: float | None = None  # the current recovery's pause of training, once its row came
         self.writer = StoreWriter(run.store, run.job_id, self.event) if run.store is not None else None
 
     def settle_store(self, timeout_s: float = 2.0) -> None:
@@ -271,6 +274,8 @@ class Reporter:
         self.last_row = rows[-1]
         if self.writer is not None:
             self.writer.put("metrics", run.store.add_metrics, run.job_id, rows, row_step=int(rows[-1]["step"]))
+        for pause in self.pauses.rows(rows):
+            self._tell_pause(pause)
         rec = self.recovery
         if rec is not None:
             for r in rows:
@@ -281,6 +286,17 @@ class Reporter:
                 elif gen == rec.generation and self._recovered_row is None:
                     self._recovered_row = r  # the generation's first row: rows come a few steps at a time
         self._finish_recovery_when_formed()
+
+    def _tell_pause(self, p: Pause) -> None:
+        """Exported by cause; a recovery's goes into its `recovered` event, any other's is said now."""
+        telemetry.record_pause(self.run.job_id, p.cause, p.seconds)
+        rec = self.recovery
+        if rec is not None and p.generation == rec.generation:
+            self._recovery_pause = p.seconds
+            return
+        self.event("resumed", f"Training resumed at dp={p.dp} with step {p.step}, after a pause of {p.seconds:.2f}s "
+                   f"({p.cause}).", generation=p.generation, cause=p.cause, pause_s=round(p.seconds, 4), dp=p.dp,
+                   step=p.step)
 
     def _finish_recovery_when_formed(self, *, at_end: bool = False) -> None:
         """The recovery ends at its generation's first row, told once every rank's `formed` note is in: a
@@ -309,7 +325,7 @@ class Reporter:
 
     # ----------------------------------------------------------------- recovery timing
     def begin_recovery(self, rec: RecoveryTiming) -> None:
-        self.recovery, self._recovered_row = rec, None
+        self.recovery, self._recovered_row, self._recovery_pause = rec, None, None
 
     def fault_seen(self, worker: str, generation: int, t_fault: float) -> None:
         """A node agent's word of a death that Ray reported first (with no time of its own): when the worker
@@ -395,5 +411,5 @@ class Reporter:
             detect_s=detect_s, reform_s=reform_s, restore_s=restore_s, replay_s=replay_s, total_s=total,
             rank_phases={k: round(v, 4) for k, v in phases.items()},
             first_step=row["step"], fallback_reason=fallback[0] if fallback else None, in_place_ranks=kept,
-            interrupted=rec.interrupted,
+            interrupted=rec.interrupted, pause_s=self._recovery_pause,
         )

@@ -143,6 +143,10 @@ def test_running_job_metrics_actors_logs_and_tensorboard(cluster: LocalCluster, 
             causes = {lab["cause"] for n, lab, _ in samples if n == p + "unbroken_recoveries_total"
                       and lab.get("job_id") == jid}
             assert causes <= {"worker_died", "collective_error"} and causes, causes
+            # The recovery's pause of training, under its failure's kind (and a grow back's, if one came).
+            paused = {lab["cause"] for n, lab, _ in samples if n == p + "unbroken_pause_seconds_count"
+                      and lab.get("job_id") == jid}
+            assert paused & causes and paused <= causes | {"growth"}, (paused, causes)
             assert sum(find(samples, p + "unbroken_recoveries_total", job_id=jid)) >= 1
             assert max(find(samples, p + "unbroken_generation", job_id=jid)) >= 1
             assert set(find(samples, p + "unbroken_dp_degree", job_id=jid)) <= {1.0, 2.0}

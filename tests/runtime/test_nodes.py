@@ -138,6 +138,11 @@ def test_node_loss_shrinks_then_a_new_node_grows_it_back(nodes_cluster: LocalClu
         assert ready and growing and ready[0]["id"] < growing[-1]["id"], [e["message"] for e in run.events[-12:]]
         for ev in run.of("recovered"):
             assert ev["data"]["lost_steps"] <= 1, ev
+            assert ev["data"]["pause_s"] > 0, ev  # the training time the recovery cost, from the rows
+        # Each grow's pause of training, told once its first step came: the one that stayed at dp 2 too.
+        resumed = [e["data"] for e in run.of("resumed")]
+        assert [(d["cause"], d["dp"]) for d in resumed] == [("growth", 2), ("growth", 4)], resumed
+        assert all(d["pause_s"] > 0 for d in resumed), resumed
         assert_same_losses(run.rows(), ref)
     finally:
         run.finish()

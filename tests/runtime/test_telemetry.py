@@ -50,6 +50,8 @@ class Reporter:
         t.record_recovery(JOB, "node_lost")
         t.record_recovery(JOB, "node_lost")
         t.record_recovery(JOB, "actor_died")
+        t.record_pause(JOB, "growth", 0.4)
+        t.record_pause(JOB, "growth", 0.6)
         t.record_heartbeat_age(JOB, 1, 0.75)
         t.record_store_writes(JOB, 3, 1)
         # A keeper exports its own memory: one held here, in this process, holding 123,456 bytes.
@@ -111,6 +113,8 @@ def test_metrics_reach_prometheus_endpoint(cluster: LocalCluster, reporter: ray.
         _key(p + "unbroken_checkpoint_seconds_count", job_id=JOB, rank="0"): 1.0,
         _key(p + "unbroken_recoveries_total", job_id=JOB, cause="node_lost"): 2.0,
         _key(p + "unbroken_recoveries_total", job_id=JOB, cause="actor_died"): 1.0,
+        _key(p + "unbroken_pause_seconds_count", job_id=JOB, cause="growth"): 2.0,
+        _key(p + "unbroken_pause_seconds_bucket", job_id=JOB, cause="growth", le="0.5"): 1.0,
         _key(p + "unbroken_heartbeat_age_s", job_id=JOB, rank="1"): 0.75,
         _key(p + "unbroken_store_backlog", job_id=JOB): 3.0,
         _key(p + "unbroken_store_write_failures", job_id=JOB): 1.0,

@@ -25,7 +25,9 @@ The parts, one file each:
     node_helpers.py a node's keeper and agent, started ahead where a replica waits to join
     committer.py    snapshot acks and commits, the restore target
     keeper_set.py   the job's snapshot keepers: started, watched, started again
-    reporter.py     events, job states, the store, metrics.jsonl, TensorBoard, recovery timing, logs
+    reporter.py     events, job states, the store, metrics.jsonl, TensorBoard, logs
+    recovery_clock.py a recovery timed from its fault to its first step, and its `recovered` event
+    pauses.py       how long training paused at each re-form, from the rows
     store_writer.py the reporter's writes to the job store, in order, on their own thread
     context.py      what the parts share about the job (JobRun)
     ray_poll.py     which refs asked for earlier are in, without waiting

@@ -188,7 +188,7 @@ class Supervisor:
         finally:
             with contextlib.suppress(Exception):
                 self.reporter.flush_metrics(force=True)
-                self.reporter.settle_recovery()
+                self.reporter.recoveries.settle()
             self._release_all()
             self.reporter.flush_logs()
             self.reporter.close_outputs()

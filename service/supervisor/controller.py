@@ -26,7 +26,8 @@ from service.supervisor.context import CancelRequested, JobFailed, JobRun
 from service.supervisor.detection import Failure
 from service.supervisor.generations import GenerationEnd, Generations
 from service.supervisor.pool import ReplicaPool, ReplicaState, Slot
-from service.supervisor.reporter import RecoveryTiming, Reporter
+from service.supervisor.recovery_clock import RecoveryTiming
+from service.supervisor.reporter import Reporter
 from service.supervisor.words import plural
 from workers.protocol import RunStatus
 
@@ -221,7 +222,7 @@ class Controller:
         t_launch = time.time()
         self.gens.launch(last_gen + 1, reps, restore=True)
         # Timed and told like a recovery (one `recovered` event), its lost steps counted from `reached`.
-        reporter.begin_recovery(RecoveryTiming(
+        reporter.recoveries.begin(RecoveryTiming(
             kind="supervisor_restarted", cause="a restart of the supervisor", t_fault=None, t_detect=t_detect,
             t_launch=t_launch, last_step=reached, generation=run.generation))
         reporter.to(JobState.RUNNING, "re-formed after a supervisor restart")
@@ -289,7 +290,7 @@ class Controller:
         run, pool, reporter = self.run, self.pool, self.reporter
         failure = self._behind_broken_collective(failure)
         t_detect = failure.t_detect
-        earlier = reporter.close_recovery()  # one still replaying ends here; an interrupted one goes on below
+        earlier = reporter.recoveries.close()  # one still replaying ends here; an interrupted one goes on below
         old_dp, old_gen = run.dp, run.generation
         last_step = run.last_step_seen
         decision = self.policies.failures.decide(failure.kind, run.recoveries, failure.step)
@@ -343,7 +344,7 @@ class Controller:
             reporter.event("resized", f"dp {old_dp} -> {dp} (world {old_dp * run.mp} -> {dp * run.mp})",
                            old_dp=old_dp, new_dp=dp, generation=run.generation, cause=failure.kind.value)
         self.gens.tell_swap([r for r in reps if r.index in spares_before], lost, old_dp, dp)
-        reporter.begin_recovery(RecoveryTiming(
+        reporter.recoveries.begin(RecoveryTiming(
             kind=failure.kind.value, cause=failure.cause(), t_fault=failure.t_fault, t_detect=t_detect,
             t_launch=t_launch, last_step=last_step, generation=run.generation,
             failed=tuple(s.name for s in failure.slots), failed_generation=old_gen).after(earlier))

@@ -143,7 +143,7 @@ class FailureDetector:
         by_name = {s.name: s for s in slots if s.result is None}
         for x in lost:
             if x.kind == "died" and x.t_fault is not None and x.generation < self.run.generation:
-                self.reporter.fault_seen(x.worker, x.generation, x.t_fault)  # Ray told of it first
+                self.reporter.recoveries.fault_seen(x.worker, x.generation, x.t_fault)  # Ray told of it first
                 continue
             s = by_name.get(x.worker)
             if s is None or x.generation != self.run.generation:

@@ -88,7 +88,7 @@ class Generations:
         capacity allows; a spare on the node with the fewest of the job's replicas), release those not
         needed (a reservation first, a ready spare last; active ones leave at a pause)."""
         pool = self.pool
-        if self.reporter.recovering_for() < REPLACE_AFTER_RECOVERY_S:
+        if self.reporter.recoveries.recovering_for() < REPLACE_AFTER_RECOVERY_S:
             return  # a new worker's start-up (imports, engine) would take the cores the recovery's first step needs
         live = pool.count(*LIVE)
         while live < self.target:
@@ -335,7 +335,7 @@ class Generations:
         """Pause at the next snapshot boundary when the generation should re-form: smaller, because the
         target dropped below its dp; or bigger, when spare replicas are ready up to the target."""
         run, pool = self.run, self.pool
-        if self.pausing is not None or self.reporter.recovery is not None:
+        if self.pausing is not None or self.reporter.recoveries.current is not None:
             return  # a pause is agreed already / the recovering generation first completes a step
         if self.target < run.dp:
             why = f"shrinking to dp={self.target}" + (f" ({self.target_reason})" if self.target_reason else "")

@@ -1,5 +1,5 @@
 """Everything a supervisor tells the world: events, job states, the store, metrics.jsonl, TensorBoard,
-telemetry, the job's output lines and the one `recovered` event of each recovery.
+telemetry and the job's output lines (a recovery's own `recovered` event: service.supervisor.recovery_clock).
 
 Events go to an in-actor list (`unbroken run` polls it) and, with a store, to the job store: every
 store write goes through the job's StoreWriter, in order, off the watch loop, never dropped silently.
@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import time
-from dataclasses import dataclass, replace
 from typing import Any
 
 from service.state_machine import STORE_STATUS, JobState
 from service.supervisor.context import JobRun
 from service.supervisor.pauses import Pause, PauseClock
+from service.supervisor.recovery_clock import RecoveryClock
 from service.supervisor.store_writer import StoreWriter
-from service.supervisor.words import SOURCE_WORDS, first_line, fmt_s, plural
+from service.supervisor.words import first_line
 from workers import telemetry
 from workers.protocol import CheckpointReport, Note
 
@@ -27,32 +26,6 @@ log = logging.getLogger("unbroken.supervisor")
 _LOG_FLUSH_S = 0.5  # how often the job's output lines go to the store
 _HEARTBEAT_GAUGE_S = 1.0  # how often heartbeat ages are exported
 ROW_GAP_HOLD_S = 2.0  # how long a metrics row waits for an earlier step's that has not come yet
-
-
-@dataclass
-class RecoveryTiming:
-    """A recovery in progress, until its generation completes a step (then: one `recovered` event)."""
-
-    kind: str
-    cause: str
-    t_fault: float | None
-    t_detect: float
-    t_launch: float
-    last_step: int
-    generation: int
-    interrupted: int = 0  # earlier recoveries a new failure cut short before their first step
-    failed: tuple[str, ...] = ()  # the workers whose failure it recovers from (fault_seen)
-    failed_generation: int = -1  # the generation they failed in
-
-    def after(self, earlier: RecoveryTiming | None) -> RecoveryTiming:
-        """This recovery as the continuation of `earlier`, one a new failure interrupted: it is timed from
-        the first failure (its fault and detection), as the job was not training in between."""
-        if earlier is None:
-            return self
-        return replace(self, t_fault=earlier.t_fault, t_detect=earlier.t_detect, last_step=earlier.last_step,
-                       cause=f"{self.cause} (after {earlier.cause}, whose recovery it interrupted)",
-                       interrupted=earlier.interrupted + 1, failed=earlier.failed,
-                       failed_generation=earlier.failed_generation)
 
 
 class Reporter:
@@ -70,10 +43,8 @@ class Reporter:
         self.last_row_step = 0  # the last step whose metrics row is written
         self.last_row: dict[str, Any] | None = None
         self.checkpoints_written = 0  # persistent checkpoints this supervisor saw written
-        self.recovery: RecoveryTiming | None = None
-        self._recovered_row: dict[str, Any] | None = None  # the new generation's first row, kept until formed
+        self.recoveries = RecoveryClock(run, self.event, lambda: self._tb)
         self.pauses = PauseClock()  # the controller names why each generation forms
-        self._recovery_pause: float | None = None  # the current recovery's pause of training, once its row came
         self.writer = StoreWriter(run.store, run.job_id, self.event) if run.store is not None else None
 
     def settle_store(self, timeout_s: float = 2.0) -> None:
@@ -276,39 +247,16 @@ class Reporter:
             self.writer.put("metrics", run.store.add_metrics, run.job_id, rows, row_step=int(rows[-1]["step"]))
         for pause in self.pauses.rows(rows):
             self._tell_pause(pause)
-        rec = self.recovery
-        if rec is not None:
-            for r in rows:
-                gen = r.get("generation")
-                if gen is not None and gen < rec.generation:
-                    # The failed generation reached this step, though its row came after the failure was taken.
-                    rec.last_step = max(rec.last_step, int(r["step"]))
-                elif gen == rec.generation and self._recovered_row is None:
-                    self._recovered_row = r  # the generation's first row: rows come a few steps at a time
-        self._finish_recovery_when_formed()
+        self.recoveries.on_rows(rows)
 
     def _tell_pause(self, p: Pause) -> None:
         """Exported by cause; a recovery's goes into its `recovered` event, any other's is said now."""
         telemetry.record_pause(self.run.job_id, p.cause, p.seconds)
-        rec = self.recovery
-        if rec is not None and p.generation == rec.generation:
-            self._recovery_pause = p.seconds
+        if self.recoveries.take_pause(p):
             return
         self.event("resumed", f"Training resumed at dp={p.dp} with step {p.step}, after a pause of {p.seconds:.2f}s "
                    f"({p.cause}).", generation=p.generation, cause=p.cause, pause_s=round(p.seconds, 4), dp=p.dp,
                    step=p.step)
-
-    def _finish_recovery_when_formed(self, *, at_end: bool = False) -> None:
-        """The recovery ends at its generation's first row, told once every rank's `formed` note is in: a
-        threaded actor may take a rank's first metrics before its `formed`, whose restore source the
-        event names. At the end of the job it is told with what came."""
-        rec, row = self.recovery, self._recovered_row
-        if rec is None or row is None:
-            return
-        with self.run.lock:
-            formed = sum(1 for m in self.run.formed.values() if m.generation == rec.generation)
-        if at_end or formed >= self.run.dp * self.run.mp:
-            self.finish_recovery(rec, row)
 
     def export_heartbeat_ages(self, slots: list[Any], hbs: dict[str, tuple[float, Note]],
                               now: float) -> None:  # fmt: skip
@@ -322,94 +270,3 @@ class Reporter:
             seen = hbs.get(s.name, (None, None))[0]
             if seen is not None and s.rank >= 0:
                 telemetry.record_heartbeat_age(self.run.job_id, s.rank, max(0.0, now - seen))
-
-    # ----------------------------------------------------------------- recovery timing
-    def begin_recovery(self, rec: RecoveryTiming) -> None:
-        self.recovery, self._recovered_row, self._recovery_pause = rec, None, None
-
-    def fault_seen(self, worker: str, generation: int, t_fault: float) -> None:
-        """A node agent's word of a death that Ray reported first (with no time of its own): when the worker
-        was last seen alive, which the current recovery takes as its fault time if it has none."""
-        rec = self.recovery
-        if rec is None or rec.t_fault is not None or generation != rec.failed_generation or worker not in rec.failed:
-            return
-        rec.t_fault = min(t_fault, rec.t_detect)
-
-    def recovering_for(self) -> float:
-        """Seconds since the current recovery launched its generation, while it has not completed a step;
-        infinity when no recovery is under way."""
-        rec = self.recovery
-        return math.inf if rec is None or self._recovered_row is not None else time.time() - rec.t_launch
-
-    def close_recovery(self) -> RecoveryTiming | None:
-        """An earlier recovery still replaying ends here, with what it reached; it is returned when it was
-        interrupted (no step yet), so the next recovery goes on timing it."""
-        rec, row = self.recovery, self._recovered_row
-        if rec is None:
-            return None
-        self.finish_recovery(rec, row)
-        return rec if row is None else None
-
-    def settle_recovery(self) -> None:
-        """At the end of the job: a recovery whose first row came is told, even with a `formed` missing."""
-        self._finish_recovery_when_formed(at_end=True)
-
-    def finish_recovery(self, rec: RecoveryTiming, row: dict[str, Any] | None) -> None:
-        """The one `recovered` event of a recovery, once its generation completed a step (`row`): the
-        cause first, then the phases in order. With row=None the recovery was cut short (a new failure
-        before its first step) and says so instead."""
-        now = time.time()
-        self.recovery, self._recovered_row = None, None
-        if row is None:
-            self.event("recovery_interrupted", f"The recovery into generation {rec.generation} was "
-                       "interrupted by a new failure before its first step.", generation=rec.generation)
-            return
-        with self.run.lock:
-            formed = dict(self.run.formed)
-        t_formed = max((m.time for m in formed.values()), default=now)
-        # Where the re-form went on the ranks (join, build, tiers, restore and its parts): the slowest rank's.
-        phases = {k: max(float(m.timings.get(k, 0.0)) for m in formed.values())
-                  for k in sorted({k for m in formed.values() for k in m.timings})}
-        restore_s = phases.get("restore_s", 0.0)
-        restored = min((int(m.restored.get("step", 0)) for m in formed.values()), default=0)
-        sources = sorted({str(m.restored.get("source")) for m in formed.values()})
-        fallback = sorted({str(m.restored["fallback_reason"]) for m in formed.values()
-                           if m.restored.get("fallback_reason")})
-        # Trained on in place: the worker says so, and it is the process and model object it had before.
-        before = self.run.models_before
-        kept = sorted(m.rank for w, m in formed.items() if m.restored.get("in_place")
-                      and before.get(w) == (m.restored.get("pid"), m.restored.get("model_id")))
-        # (clamped: a fault's time can come from another process's clock, a few ms ahead of ours)
-        detect_s = max(0.0, rec.t_detect - rec.t_fault) if rec.t_fault else None
-        reform_s = max(0.0, t_formed - rec.t_detect - restore_s)
-        # The recovery ends when rank 0 completed the step (the row's end_time, as the fault's time, a
-        # worker's clock), not when its note reached us: the relay's latency is not training lost.
-        done = min(now, float(row.get("end_time") or now))
-        replay_s = max(0.0, done - t_formed)
-        total = done - (rec.t_fault or rec.t_detect)
-        lost = max(0, rec.last_step - restored)
-        if self._tb is not None:
-            with contextlib.suppress(Exception):
-                self._tb.log_recovery(int(row["step"]), int(rec.generation), str(rec.kind),
-                                      f"restored step {restored} from {'/'.join(sources)}")
-        where = " and ".join(SOURCE_WORDS.get(x, x) for x in sources)
-        if "fresh" in sources and rec.last_step > 0:
-            allowed = ("fault_tolerance.restart_from_scratch allows it" if self.run.ft.restart_from_scratch
-                       else "the failure came before the first snapshot or checkpoint was saved")
-            self.event("restarted_from_scratch", f"Generation {rec.generation} started again from step 0: there was "
-                       f"no snapshot or persistent checkpoint to restore ({allowed}); {rec.last_step} step(s) "
-                       "are trained again.", generation=rec.generation, last_step=rec.last_step)
-        self.event(
-            "recovered",
-            f"Recovered from {rec.cause} in {total:.2f}s: detect {fmt_s(detect_s)}, re-form {reform_s:.2f}s, "
-            f"restore {restore_s:.2f}s (step {restored} {where}), replay {replay_s:.2f}s; "
-            f"{plural(lost, 'step')} lost; generation {rec.generation} completed step {row['step']}."
-            + (f" {len(kept)} of {len(formed)} rank(s) trained on in the model they held." if kept else "")
-            + (f" The in-memory snapshot could not be used: {fallback[0]}." if fallback else ""),
-            generation=rec.generation, kind=rec.kind, restored_step=restored, source=sources,
-            last_step=rec.last_step, lost_steps=lost,
-            detect_s=detect_s, reform_s=reform_s, restore_s=restore_s, replay_s=replay_s, total_s=total,
-            rank_phases={k: round(v, 4) for k, v in phases.items()},
-            first_step=row["step"], fallback_reason=fallback[0] if fallback else None, in_place_ranks=kept,
-            interrupted=rec.interrupted, pause_s=self._recovery_pause,
-        )

@@ -23,7 +23,8 @@ from service.supervisor.committer import SnapshotCommitter
 from service.supervisor.context import JobRun
 from service.supervisor.detection import FailureDetector
 from service.supervisor.pool import Slot
-from service.supervisor.reporter import RecoveryTiming, Reporter
+from service.supervisor.recovery_clock import RecoveryTiming
+from service.supervisor.reporter import Reporter
 from workers.node_agent import NodeAggregator, agent_groups, process_state
 from workers.protocol import CheckpointReport, Heartbeat, NodeBatch, RankLost, SnapshotAck, StepReport
 
@@ -207,22 +208,22 @@ def test_a_death_ray_told_of_first_takes_its_time_from_the_agents_later_word(tmp
     or hangs change nothing, and the first word stands."""
     run, reporter, _ = _run(tmp_path)  # generation 2: the recovery's
     detector = FailureDetector(run, reporter, StragglerPolicy(3.0))
-    reporter.begin_recovery(RecoveryTiming(kind="worker_died", cause="the loss of rank 1", t_fault=None,
-                                           t_detect=10.0, t_launch=10.1, last_step=5, generation=2,
-                                           failed=("w1",), failed_generation=1))
+    reporter.recoveries.begin(RecoveryTiming(kind="worker_died", cause="the loss of rank 1", t_fault=None,
+                                             t_detect=10.0, t_launch=10.1, last_step=5, generation=2,
+                                             failed=("w1",), failed_generation=1))
     slots = [Slot(f"w{r}", None, r, 0, info={"node_name": "a"}, rank=r) for r in (0, 2)]
     others = [RankLost("w2", 2, 1, "died", "", 9.0, 10.2), RankLost("w1", 1, 0, "died", "", 8.0, 10.2),
               RankLost("w1", 1, 1, "stopped", "", 9.5, 10.2)]
     assert detector.from_agents(others, [], slots, 10.2) is None
-    assert reporter.recovery is not None and reporter.recovery.t_fault is None
+    assert reporter.recoveries.current is not None and reporter.recoveries.current.t_fault is None
     assert detector.from_agents([RankLost("w1", 1, 1, "died", "", 9.93, 10.25)], [], slots, 10.25) is None
-    assert reporter.recovery.t_fault == 9.93
-    reporter.fault_seen("w1", 1, 9.5)
-    assert reporter.recovery.t_fault == 9.93
+    assert reporter.recoveries.current.t_fault == 9.93
+    reporter.recoveries.fault_seen("w1", 1, 9.5)
+    assert reporter.recoveries.current.t_fault == 9.93
     # Never later than Ray's word (two processes' clocks, a few ms apart): a detection of 0, not below.
-    reporter.begin_recovery(dataclasses.replace(reporter.recovery, t_fault=None))
-    reporter.fault_seen("w1", 1, 10.05)
-    assert reporter.recovery.t_fault == 10.0
+    reporter.recoveries.begin(dataclasses.replace(reporter.recoveries.current, t_fault=None))
+    reporter.recoveries.fault_seen("w1", 1, 10.05)
+    assert reporter.recoveries.current.t_fault == 10.0
 
 
 def test_a_leader_gives_a_slow_member_back_its_watch_and_more_patience() -> None:

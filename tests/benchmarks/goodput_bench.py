@@ -246,6 +246,7 @@ def _ours_spec(out: Path, spares: int = 0, dp: int | None = None) -> Any:
 
 
 def run_ours(tmp: Path, cluster: Any, faults: list[Fault], spares: int = 0, dp: int | None = None) -> Outcome:
+    from service.supervisor.pauses import PauseClock
     from tests.runtime.jobs import JobRun, worker_infos
 
     run = JobRun(_ours_spec(tmp, spares, dp))
@@ -297,15 +298,16 @@ def run_ours(tmp: Path, cluster: Any, faults: list[Fault], spares: int = 0, dp: 
     _ensure_node_b(cluster)
     detail = [f"{e['kind']}: {e.get('message', '')}" for e in run.events
               if e["kind"] in ("recovered", "spare_swapped", "resized", "recovery_interrupted")]
-    changes = [(a, b, b["end_time"] - a["end_time"] - b["step_time_s"])
-               for a, b in zip(rows[:-1], rows[1:], strict=True) if a["generation"] != b["generation"]]
+    # The pauses by the supervisor's own rule (service.supervisor.pauses: its recovered and resumed events').
+    at = {int(r["step"]): i for i, r in enumerate(rows)}
+    changes = [(rows[at[p.step] - 1], p) for p in PauseClock().rows(rows)]
     detail.append("pauses (the step that ended each generation to the next one's first, less a step): " + ", ".join(
-        f"g{a['generation']}->g{b['generation']} dp {a['dp']}->{b['dp']} {p:.2f}s" for a, b, p in changes))
+        f"g{a['generation']}->g{p.generation} dp {a['dp']}->{p.dp} {p.seconds:.2f}s" for a, p in changes))
     by_dp = Counter(int(r["dp"]) for r in rows)  # a step's time depends on dp here (2 cores for 4 ranks)
     detail.append("steps by dp: " + ", ".join(f"dp {k}: {v}" for k, v in sorted(by_dp.items(), reverse=True)))
     widths = [(int(r["dp"]), int(r["generation"])) for r in rows]
     return Outcome(_wall(steps), steps, lost, inj.fired if inj else [], detail, widths=widths,
-                   pauses_s=[p for _, _, p in changes])
+                   pauses_s=[p.seconds for _, p in changes])
 
 
 def _kill_node_b(cluster: Any) -> None:

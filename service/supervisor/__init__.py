@@ -17,6 +17,7 @@ the job's workers by name and carries on from the last committed state.
 The parts, one file each:
     actor.py        the Ray actor (inbox, cancel, status, events) and launch/find/wait_done
     controller.py   the job's life as states carrying their data, one step() at a time
+    kept_notes.py   the rows and output lines live workers kept that the supervisor lacks
     generations.py  start, watch and stop one generation; rank_of
     pool.py         the replica pool (ReplicaState) and its worker actors
     spare_watch.py  warm spares found dead, stopped or silent, dropped before a failure picks one

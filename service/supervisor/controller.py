@@ -14,7 +14,6 @@ import logging
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any
 
 import ray
 
@@ -25,7 +24,8 @@ from service.supervisor.committer import SnapshotCommitter
 from service.supervisor.context import CancelRequested, JobFailed, JobRun
 from service.supervisor.detection import Failure
 from service.supervisor.generations import GenerationEnd, Generations
-from service.supervisor.pool import ReplicaPool, ReplicaState, Slot
+from service.supervisor.kept_notes import lines_from_workers, rows_from_workers
+from service.supervisor.pool import ReplicaPool, ReplicaState
 from service.supervisor.recovery_clock import RecoveryTiming
 from service.supervisor.reporter import Reporter
 from service.supervisor.words import plural
@@ -201,8 +201,8 @@ class Controller:
             run.recoveries = max(run.recoveries, done)
         last_gen, lost = pool.adopt()
         slots = [s for r in pool.in_state(ReplicaState.READY) for s in r.slots]
-        rows = self._rows_from_workers(slots)
-        lines = self._lines_from_workers(slots)
+        rows = rows_from_workers(run, reporter, self.gens, slots)
+        lines = lines_from_workers(reporter, slots)
         reached = max([int((s.info or {}).get("step") or 0) for s in slots] + [reporter.last_row_step])
         with run.lock:
             run.last_step_seen = max(run.last_step_seen, reached)
@@ -227,53 +227,6 @@ class Controller:
             t_launch=t_launch, last_step=reached, generation=run.generation))
         reporter.to(JobState.RUNNING, "re-formed after a supervisor restart")
         return Running()
-
-    def _lines_from_workers(self, slots: list[Slot], timeout_s: float = 10.0) -> int:
-        """The output lines the adopted workers sent that the job's logs lack (lost with the crashed
-        instance, or sent while none ran: Worker.lines_after), added to the logs now; how many."""
-        newest = self.reporter.newest_log_times()
-        if newest is None or not slots:
-            return 0
-        count = 0
-        for got in _ask_workers(slots, "lines_after", newest, timeout_s=timeout_s):
-            by_source: dict[str, list[tuple[float, str, str]]] = {}
-            for t, stream, line, source in got:
-                by_source.setdefault(source, []).append((t, stream, line))
-            for source, lines in by_source.items():
-                self.reporter.add_logs(source, lines)
-            count += len(got)
-        self.reporter.flush_logs()
-        return count
-
-    def _rows_from_workers(self, slots: list[Slot], timeout_s: float = 10.0) -> int:
-        """The metrics rows after the last one written, from live workers (adopted, or a recovery's
-        survivors: they keep their newest rows, Worker.rows_after), written now in step order; how many.
-        Per step the newest generation's row is taken, rank 0's first; another rank's only without pipeline
-        stages (then every rank's row is the same global loss). Only the unbroken run after the last row
-        written is taken: a row is never skipped."""
-        reporter = self.reporter
-        after = reporter.last_row_step
-        if not slots:
-            return 0
-        any_rank = self.run.spec.parallelism.pp == 1
-        best: dict[int, tuple[tuple[int, bool], dict[str, Any]]] = {}
-        for got in _ask_workers(slots, "rows_after", after, timeout_s=timeout_s):
-            for gen, rank, row in got:
-                if rank != 0 and not any_rank:
-                    continue
-                step, key = int(row["step"]), (int(gen), rank == 0)
-                if step not in best or key > best[step][0]:
-                    best[step] = (key, row)
-        step, out = after + 1, []
-        while step in best:
-            out.append(best[step][1])
-            step += 1
-        if out:
-            with self.run.lock:
-                for row in out:
-                    self.run.pending_rows.setdefault(int(row["step"]), self.gens.with_spares(row))
-            reporter.flush_metrics()
-        return len(out)
 
     def _watch(self) -> State:
         end = self.gens.watch()
@@ -324,8 +277,8 @@ class Controller:
         # Rows the survivors hold that have not reached us (rank 0's last one may still be in its agent's
         # batch) are written now: a snapshot is restored only up to the last row written, so the target
         # can be the newest snapshot whole on the keepers rather than the one before it (a replayed step).
-        self._rows_from_workers([s for rep in active if rep.index not in lost for s in rep.slots],
-                                timeout_s=_SURVIVOR_ROWS_S)
+        survivors = [s for rep in active if rep.index not in lost for s in rep.slots]
+        rows_from_workers(run, reporter, self.gens, survivors, timeout_s=_SURVIVOR_ROWS_S)
         lost_nodes = {str((s.info or {}).get("node_id")) for s in failure.slots} \
             if failure.kind == FailureKind.NODE_DIED else set()
         if lost_nodes:  # (the survivors are READY by now: none is on a lost node; a worker's death reads no table)
@@ -471,19 +424,3 @@ class Controller:
             f"below dp.min={run.dp_min}: only {pool.count(ReplicaState.READY)} replica(s) of {run.mp} worker(s) "
             f"alive after waiting wait_for_capacity_s={wait:g}; add capacity or lower resources.dp.min"
         )
-
-
-def _ask_workers(slots: list[Slot], method: str, *args: Any, timeout_s: float) -> list[Any]:
-    """Call `method` on every slot's worker; the answers that came within `timeout_s` (a worker lost
-    meanwhile has nothing to give: the others answer for it)."""
-    refs = [getattr(s.handle, method).remote(*args) for s in slots]
-    if not refs:
-        return []
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-    answers = []
-    for ref in ready:
-        try:
-            answers.append(ray.get(ref, timeout=1.0))
-        except Exception:  # noqa: BLE001, S112 - lost meanwhile
-            continue
-    return answers

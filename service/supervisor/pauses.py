@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-OTHER = "re-form"  # the cause of a generation no launch named (one the supervisor adopted)
+OTHER = "re-form"  # the cause of a generation no launch named (the controller names every one it launches)
 
 
 @dataclass(frozen=True)

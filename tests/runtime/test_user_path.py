@@ -107,6 +107,7 @@ def _run_user_path(tmp: Path, cluster: RayStartCluster, *, second_job: bool, spa
         # that one step is replayed (the bound of in_memory_every: 1), never more.
         assert data["lost_steps"] <= 1, recovered[0].message
         assert "from memory" in recovered[0].message and "None" not in recovered[0].message
+        assert data["pause_s"] > 0, data  # the training time the recovery cost, through the SDK
         # Where the ranks' re-form went, through the SDK as the event carries it.
         assert {"join_s", "build_s", "restore_s"} <= set(data["rank_phases"]), data
         if spare:
@@ -248,10 +249,15 @@ def _lose_a_pod(tmp: Path, cluster: RayStartCluster, client: Any) -> None:
     data = recovered[0].data or {}
     print(f"\npod lost: {failures[0].message} {recovered[0].message}")
     assert data["lost_steps"] <= 1 and data["source"] == ["keepers"], recovered[0].message  # as above
+    assert data["pause_s"] > 0, data
     # The new pod's node: in the grown generation, in none before the loss; its helpers answered first.
     gens = [e.data for e in events if e.kind == "generation" and e.data]
     new_nodes = set(gens[-1]["nodes"]) - {n for g in gens[:2] for n in g["nodes"]}
     assert len(new_nodes) == 1, gens
+    # The grow onto it paused training, and the events say for how long (a `resumed` of cause growth).
+    resumed = [e.data for e in events if e.kind == "resumed" and e.data]
+    assert resumed and resumed[-1]["cause"] == "growth" and resumed[-1]["pause_s"] > 0, resumed
+    assert resumed[-1]["dp"] == gens[-1]["dp"], (resumed, gens[-1])
     # (helpers_late: started ahead, and the grow stopped waiting for them after AHEAD_WAIT_S on a loaded machine)
     ahead = [e for e in events if e.kind in ("helpers_ready", "helpers_late") and (e.data or {}).get("node") in new_nodes]
     first_grow = min(e.ts for e in events if e.kind == "resized" and (e.data or {}).get("cause") == "growth")

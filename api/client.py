@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import httpx
 
 from api import errors, schemas
-from api.schemas import Checkpoint, Job, JobEvent, JobList, LogLine, LogList
+from api.schemas import Checkpoint, Goodput, Job, JobEvent, JobList, LogLine, LogList
 from service.statuses import CANCELLED, FAILED
 
 DEFAULT_URL = "http://127.0.0.1:8420"
@@ -371,6 +371,10 @@ class Client:
     def checkpoints(self, job_id: str) -> list[Checkpoint]:
         body = self._request("GET", f"/v1/jobs/{job_id}/checkpoints").json()
         return [Checkpoint.model_validate(c) for c in body["items"]]
+
+    def goodput(self, job_id: str) -> Goodput:
+        """How much of the job's wall time since its first step went into steps, and what paused it."""
+        return Goodput.model_validate(self._request("GET", f"/v1/jobs/{job_id}/goodput").json())
 
     def health(self) -> dict[str, Any]:
         return dict(self._request("GET", "/readyz").json())

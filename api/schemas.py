@@ -107,6 +107,22 @@ class CheckpointList(BaseModel):
     items: list[Checkpoint]
 
 
+class Goodput(BaseModel):
+    """How much of a job's wall time since its first step went into steps (service.goodput)."""
+
+    steps: int = Field(description="steps with a metrics row")
+    wall_s: float = Field(description="from the first step's start to the last step's end")
+    step_s: float = Field(description="the steps' own time")
+    paused_s: float = Field(description="training paused by re-forms: recoveries, spare swaps, grows, shrinks")
+    other_s: float = Field(description="the rest: between steps, neither a step nor a re-form (data, evaluation, "
+                                       "a checkpoint's wait)")
+    ratio: float | None = Field(description="step_s / wall_s; null before the first timed step")
+    pauses: int = Field(description="re-forms whose pause was measured")
+    paused_by_cause: dict[str, float] = Field(description="seconds paused by cause: a failure's kind, growth, "
+                                                          "scheduler, ...")
+    lost_steps: int = Field(description="steps trained again after recoveries")
+
+
 class FieldError(BaseModel):
     field: str
     message: str

@@ -17,6 +17,7 @@ from starlette.concurrency import run_in_threadpool
 from api import schemas
 from api.deps import ApiError, AppState, Caller, State, VisibleJob
 from service import submission
+from service.goodput import job_goodput
 from service.statuses import CANCELLED, STATUSES, TERMINAL
 from service.store import IdempotencyConflictError, JobNotTerminalError, JobRecord, JobStore, LogRecord
 
@@ -369,3 +370,11 @@ async def job_logs(
             summary="A job's checkpoints (both tiers), oldest first")
 def job_checkpoints(job_id: str, _job: VisibleJob, state: State) -> schemas.CheckpointList:
     return schemas.CheckpointList(items=[schemas.Checkpoint(**c.__dict__) for c in state.store.checkpoints(job_id)])
+
+
+@router.get("/jobs/{job_id}/goodput", response_model=schemas.Goodput, responses=ERRORS,
+            summary="How much of a job's wall time since its first step went into steps, and what paused it")
+def job_goodput_of(job_id: str, _job: VisibleJob, state: State) -> schemas.Goodput:
+    g = job_goodput(state.store, job_id)
+    return schemas.Goodput(steps=g.steps, wall_s=g.wall_s, step_s=g.step_s, paused_s=g.paused_s, other_s=g.other_s,
+                           ratio=g.ratio, pauses=g.pauses, paused_by_cause=g.by_cause, lost_steps=g.lost_steps)

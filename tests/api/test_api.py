@@ -71,7 +71,7 @@ def _endpoints(job_id: str) -> list[tuple[str, str, Any]]:
         ("POST", f"/v1/jobs/{job_id}/cancel", None), ("DELETE", f"/v1/jobs/{job_id}", None),
         ("GET", f"/v1/jobs/{job_id}/events", None), ("GET", f"/v1/jobs/{job_id}/events?follow=true", None),
         ("GET", f"/v1/jobs/{job_id}/metrics", None), ("GET", f"/v1/jobs/{job_id}/logs", None),
-        ("GET", f"/v1/jobs/{job_id}/checkpoints", None),
+        ("GET", f"/v1/jobs/{job_id}/checkpoints", None), ("GET", f"/v1/jobs/{job_id}/goodput", None),
     ]
 
 
@@ -95,7 +95,7 @@ def test_auth_matrix(api: Api) -> None:
     with Client(api.url, tb) as cb:
         for call in (lambda: cb.get(job.id), lambda: cb.cancel(job.id), lambda: cb.delete(job.id),
                      lambda: list(cb.logs(job.id)), lambda: list(cb.logs(job.id, follow=True)),
-                     lambda: cb.metrics(job.id), lambda: cb.checkpoints(job.id),
+                     lambda: cb.metrics(job.id), lambda: cb.checkpoints(job.id), lambda: cb.goodput(job.id),
                      lambda: list(cb.events(job.id, follow=False)), lambda: list(cb.events(job.id, follow=True))):
             with pytest.raises(JobNotFound, match=bob):
                 call()
@@ -369,6 +369,37 @@ def test_cli_submit_wait_follows_progress_to_the_end(api: Api, tmp_path: Path, o
     assert outcome in r.output and "4/4" in r.output
     if outcome == "FAILED":
         assert "worker exploded" in r.output
+
+
+def test_goodput_through_the_sdk_rest_and_the_cli(api: Api) -> None:
+    """A job's goodput (service.goodput) from the rows and pause events the supervisor stores."""
+    from typer.testing import CliRunner
+
+    from api.cli import app
+
+    _, token = api.user()
+    with Client(api.url, token) as c:
+        j = c.submit(TINY)
+        empty = c.goodput(j.id)
+        assert (empty.steps, empty.ratio, empty.pauses) == (0, None, 0)
+        s = api.store
+        s.set_status(j.id, "RUNNING")
+        # steps of 0.5 s from t=1000; a recovery paused 1.5 s before step 3, a grow 0.5 s before step 5
+        ends = [1000.5, 1001.0, 1003.0, 1003.5, 1004.5]
+        s.add_metrics(j.id, [{"step": i + 1, "loss": 5.0, "dp": 2, "generation": 0, "end_time": t, "step_time_s": 0.5}
+                             for i, t in enumerate(ends)])  # fmt: skip
+        s.add_event(j.id, "recovered", "Recovered ...", {"kind": "worker_died", "pause_s": 1.5, "lost_steps": 1})
+        s.add_event(j.id, "resumed", "Training resumed ...", {"cause": "growth", "pause_s": 0.5})
+        g = c.goodput(j.id)
+    assert (g.steps, g.pauses, g.lost_steps) == (5, 2, 1)
+    assert (g.wall_s, g.step_s, g.paused_s, g.other_s) == pytest.approx((4.5, 2.5, 2.0, 0.0))
+    assert g.ratio == pytest.approx(2.5 / 4.5) and g.paused_by_cause == {"worker_died": 1.5, "growth": 0.5}
+    with _http(api, token) as h:
+        assert h.get(f"/v1/jobs/{j.id}/goodput").json()["ratio"] == pytest.approx(g.ratio)
+    r = CliRunner().invoke(app, ["status", j.id], env={"UNBROKEN_URL": api.url, "UNBROKEN_TOKEN": token})
+    assert r.exit_code == 0, r.output
+    assert ("goodput: 0.56 of 4.5s since step 1 in steps; paused 2.0s in 2 re-forms (worker_died 1.5s, growth 0.5s); "
+            "1 step trained again") in r.output, r.output
 
 
 def until_jobs(store: JobStore, owner: str, timeout: float = 30.0) -> list[Any]:

@@ -108,6 +108,11 @@ def _run_user_path(tmp: Path, cluster: RayStartCluster, *, second_job: bool, spa
         assert data["lost_steps"] <= 1, recovered[0].message
         assert "from memory" in recovered[0].message and "None" not in recovered[0].message
         assert data["pause_s"] > 0, data  # the training time the recovery cost, through the SDK
+        # The job's goodput counts that pause under its failure's kind, beside every step's own time.
+        good = client.goodput(job.id)
+        assert good.steps == STEPS and good.ratio is not None and 0 < good.ratio < 1, good
+        assert good.paused_by_cause.get(data["kind"]) == pytest.approx(data["pause_s"], abs=1e-3), (good, data)
+        assert good.step_s + good.paused_s <= good.wall_s + 1e-3, good
         # Where the ranks' re-form went, through the SDK as the event carries it.
         assert {"join_s", "build_s", "restore_s"} <= set(data["rank_phases"]), data
         if spare:
@@ -258,6 +263,8 @@ def _lose_a_pod(tmp: Path, cluster: RayStartCluster, client: Any) -> None:
     resumed = [e.data for e in events if e.kind == "resumed" and e.data]
     assert resumed and resumed[-1]["cause"] == "growth" and resumed[-1]["pause_s"] > 0, resumed
     assert resumed[-1]["dp"] == gens[-1]["dp"], (resumed, gens[-1])
+    good = client.goodput(job.id)  # both pauses, each under its cause
+    assert {data["kind"], "growth"} <= set(good.paused_by_cause) and good.pauses >= 2, good
     # (helpers_late: started ahead, and the grow stopped waiting for them after AHEAD_WAIT_S on a loaded machine)
     ahead = [e for e in events if e.kind in ("helpers_ready", "helpers_late") and (e.data or {}).get("node") in new_nodes]
     first_grow = min(e.ts for e in events if e.kind == "resized" and (e.data or {}).get("cause") == "growth")

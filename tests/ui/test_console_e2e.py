@@ -10,6 +10,7 @@ page is also written to docs/console.png (the README's picture)."""
 from __future__ import annotations
 
 import os
+import re
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
@@ -165,6 +166,9 @@ def test_console_end_to_end(browser: Any, cluster: LocalCluster, tmp_path: Path)
         expect(page.locator("#loss-chart .u-legend")).to_contain_text("eval loss")
         expect(page.locator("#live")).to_be_hidden()
         assert "generation 1" in page.locator("#markers").inner_text()
+        # The job's goodput (GET .../goodput) among its facts, the recovery's pause in it.
+        expect(page.locator("#job-facts")).to_contain_text(
+            re.compile(r"Goodput\s*\d+\.\d% of [^;]+ in steps; paused [^;]+ in \d+ re-forms?"))
         page.screenshot(path=str(shots / "job.png"), full_page=True)
         if os.environ.get("UNBROKEN_UPDATE_SCREENSHOT") == "1":
             page.evaluate("window.scrollTo(0, 0)")

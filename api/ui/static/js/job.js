@@ -19,11 +19,12 @@ const TERMINAL = new Set(["SUCCEEDED", "FAILED", "CANCELLED"]);
 const RECOVERY_KINDS = new Set(["restored", "recovered"]);
 const REFRESH_ON = new Set([
   "state", "started", "admitted", "supervisor_started", "generation", "failure_detected", "restored",
-  "recovered", "resized", "finished", "failed", "cancelled", "cancel_requested", "released", "waiting",
+  "recovered", "resumed", "resized", "finished", "failed", "cancelled", "cancel_requested", "released", "waiting",
 ]);
 
 const S = {
   job: null,
+  goodput: null, // GET .../goodput: the share of the wall time since step 1 spent in steps, and the pauses
   rows: [],
   lastStep: -1,
   events: [],
@@ -56,6 +57,7 @@ function renderJob() {
     ["dp", `${p.dp ?? "—"} (range ${j.min_world}–${j.max_world ?? "cluster"} workers)`],
     ["Generation", p.generation ?? "—"],
     ["Recoveries", p.recoveries],
+    ["Goodput", goodputText(S.goodput)],
     ["Priority", j.priority],
     ["Submitted", `${ago(j.created_at)} ago`],
     ["Started", fmtTime(j.started_at)],
@@ -66,8 +68,16 @@ function renderJob() {
   document.getElementById("spec").textContent = JSON.stringify(j.spec, null, 2);
 }
 
+function goodputText(g) {
+  if (!g || g.ratio === null) return "—";
+  let out = `${(g.ratio * 100).toFixed(1)}% of ${fmtSecs(g.wall_s)} in steps`;
+  if (g.pauses) out += `; paused ${fmtSecs(g.paused_s)} in ${g.pauses} re-form${g.pauses === 1 ? "" : "s"}`;
+  return out;
+}
+
 async function refreshJob() {
-  S.job = await api(base);
+  // (an older server without the goodput resource: the fact shows a dash)
+  [S.job, S.goodput] = await Promise.all([api(base), api(`${base}/goodput`).catch(() => null)]);
   renderJob();
 }
 

@@ -121,6 +121,9 @@ class Reporter:
         if run.restarted and metrics_path.exists():  # go on after the rows already written
             written = read_metrics(metrics_path)
             self.last_row_step = max([int(r["step"]) for r in written] + [0])
+            if written:  # the last row before our restart: the next re-form's pause is measured from it
+                self.last_row = written[-1]
+                self.pauses.rows([self.last_row])
             self._resend_rows_the_store_lacks(written)
         self._metrics_log = MetricsLog(metrics_path, truncate=not run.restarted)
         if run.spec.tensorboard:

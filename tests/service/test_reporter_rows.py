@@ -13,9 +13,9 @@ from service.supervisor.context import JobRun
 from service.supervisor.reporter import Reporter
 
 
-def _reporter(tmp_path: Path) -> tuple[JobRun, Reporter]:
+def _reporter(tmp_path: Path, restarted: bool = False) -> tuple[JobRun, Reporter]:
     run = JobRun(job_id="j", spec=JobSpec.model_validate({"name": "rows"}), namespace="t", store=None,
-                 restarted=False, self_handle=None, mp=1, cp_tp=1, per_worker={"CPU": 1.0}, dp_min=1, dp_max=1,
+                 restarted=restarted, self_handle=None, mp=1, cp_tp=1, per_worker={"CPU": 1.0}, dp_min=1, dp_max=1,
                  output_dir=tmp_path)  # fmt: skip
     rep = Reporter(run, None)
     rep.open_outputs()
@@ -56,3 +56,23 @@ def test_a_gap_is_written_past_after_the_hold_or_when_forced(tmp_path: Path, mon
     rep.flush_metrics(force=True)  # a restore target or the end: nothing waits
     rep.close_outputs()
     assert _written(tmp_path) == [1, 3, 5] and not run.pending_rows
+
+
+def test_a_restarted_supervisor_measures_the_first_pause_from_the_rows_written_before(tmp_path: Path) -> None:
+    """The rows its crashed predecessor wrote (metrics.jsonl) seed the pause clock: the first re-form
+    after the restart gets its pause, and the last row is known at once."""
+    run, rep = _reporter(tmp_path)
+    for step in (1, 2):
+        run.pending_rows[step] = {**_row(step), "end_time": 100.0 + step, "step_time_s": 0.5}
+    rep.flush_metrics()
+    rep.close_outputs()
+    run, rep = _reporter(tmp_path, restarted=True)
+    assert rep.last_row_step == 2 and rep.last_row is not None and rep.last_row["step"] == 2
+    told: list[tuple[str, dict[str, Any]]] = []
+    rep.event = lambda kind, message, **data: told.append((kind, data))  # type: ignore[method-assign]
+    rep.pauses.formed_for(1, "growth")
+    run.pending_rows[3] = {**_row(3), "generation": 1, "dp": 2, "end_time": 104.0, "step_time_s": 0.5}
+    rep.flush_metrics()
+    rep.close_outputs()
+    resumed = [d for k, d in told if k == "resumed"]
+    assert resumed == [{"generation": 1, "cause": "growth", "pause_s": 1.5, "dp": 2, "step": 3}], told

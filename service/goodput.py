@@ -50,12 +50,11 @@ def goodput_of(rows: Iterable[dict[str, Any]], events: Iterable[tuple[str, dict[
         if int(r["step"]) <= step:
             continue
         step = int(r["step"])
+        g.steps += 1
         try:
             end, took = float(r["end_time"]), float(r["step_time_s"])
         except (KeyError, TypeError, ValueError):  # a row without times (an old job's): counted, not timed
-            g.steps += 1
             continue
-        g.steps += 1
         g.step_s += took
         first = end - took if first is None else first
         last = end
@@ -69,7 +68,7 @@ def goodput_of(rows: Iterable[dict[str, Any]], events: Iterable[tuple[str, dict[
         pause = data.get("pause_s")
         if not isinstance(pause, int | float):  # a pause its rows could not time
             continue
-        cause = str(data.get(PAUSE_EVENTS[kind]) or "re-form")
+        cause = str(data.get(PAUSE_EVENTS[kind]) or kind)  # (both events always name it; kept apart if not)
         g.pauses += 1
         g.paused_s += float(pause)
         g.by_cause[cause] = g.by_cause.get(cause, 0.0) + float(pause)

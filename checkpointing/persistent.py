@@ -269,6 +269,11 @@ class CheckpointManager:
     def save(self, state: dict[str, Any], step: int, generation: int, layout: dict[str, Any]) -> SaveResult:
         return self.save_async(state, step, generation, layout).result()
 
+    def uploading(self) -> int | None:
+        """The step of the save in flight (its upload not ended), if any."""
+        pending = self._pending
+        return pending.step if pending is not None and not pending.done() else None
+
     def wait(self) -> SaveResult | None:
         """Wait for the save in flight, if any, and return its result."""
         pending, self._pending = self._pending, None

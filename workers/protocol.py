@@ -73,6 +73,7 @@ class Heartbeat(Note):
     last: StepReport | None = None  # the rank's last step in this generation
     metrics: dict[str, Any] | None = None  # rank 0, right after a step: its metrics row
     acks: list[SnapshotAck] = field(default_factory=list)  # its snapshots held since its last note
+    uploading: int | None = None  # the step of its persistent save in flight, if any
 
 
 @dataclass

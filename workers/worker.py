@@ -29,6 +29,7 @@ import socket
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,6 +123,7 @@ class Worker:
         self._rows_lock = threading.Lock()
         self._acks: list[SnapshotAck] = []  # held snapshots not yet said (the next heartbeat carries them)
         self._acks_lock = threading.Lock()
+        self._uploading: Callable[[], int | None] | None = None  # the generation's tiers': a save in flight
         from workers.chaos import Chaos
 
         self.chaos = Chaos(self.opts.chaos, is_head_node=lambda: self.on_head, on_fire=self._fired)
@@ -236,8 +238,12 @@ class Worker:
     def _beat(self, metrics: dict[str, Any] | None = None) -> None:
         with self._acks_lock:
             acks, self._acks = self._acks, []
+        uploading = None
+        if (saving := self._uploading) is not None:
+            with contextlib.suppress(Exception):  # (the tiers may be closing under this thread)
+                uploading = saving()
         self.send(Heartbeat(self.name, self.generation, self.rank, time.time(), phase=self.phase, step=self.step,
-                            pid=self.pid, last=self._last, metrics=metrics, acks=acks))
+                            pid=self.pid, last=self._last, metrics=metrics, acks=acks, uploading=uploading))
 
     def _heartbeat_loop(self) -> None:
         while not self._hb_stop.wait(self.opts.heartbeat_interval_s):
@@ -308,6 +314,7 @@ class Worker:
             timings["build_s"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             tiers = Tiers(self, rank, world_size, timeout_s, keepers, trainer)
+            self._uploading = tiers.uploading
             timings["tiers_s"] = time.perf_counter() - t0
             restored: dict[str, Any] = {"step": 0, "source": "fresh"}
             if restore is not None:
@@ -354,6 +361,7 @@ class Worker:
         marks = [("", time.perf_counter())]  # (phase, its end): how long leaving took, for the log line
         if not ok:
             sever_new_connections(sockets_before)
+        self._uploading = None
         if tiers is not None:
             tiers.close() if ok else tiers.abandon()
         if trainer is not None and result.status != RunStatus.FINISHED and self.opts.keep_trainer:

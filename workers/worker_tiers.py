@@ -216,6 +216,11 @@ class Tiers:
             raise FileNotFoundError(f"checkpoint.resume_from={uri}: no valid checkpoint of step {step} there")
         return reader, found[0]
 
+    def uploading(self) -> int | None:
+        """The step of the persistent save in flight, if any: a pause to re-form would wait for it."""
+        persistent = self.persistent
+        return persistent.uploading() if persistent is not None else None
+
     def wait(self) -> None:
         self.persistent.wait()
 

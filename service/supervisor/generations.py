@@ -36,6 +36,9 @@ _ROOT_CAUSE_GRACE_S = 3.0
 # Replacements wait this long for a recovery's first step at most (a big model's step may take minutes).
 REPLACE_AFTER_RECOVERY_S = 10.0
 _NODES_CHECK_S = 0.5  # while stopping, pending ranks' nodes are checked this often (checkpointing.nodes)
+# A resize waits at most this long for a persistent save's upload to end (training on meanwhile), then
+# pauses regardless (uploads back to back leave no gap).
+UPLOAD_WAIT_S = 60.0
 
 
 class GenerationEnd(Enum):
@@ -76,6 +79,7 @@ class Generations:
         self._positions: dict[int, int] = {}  # replica index -> its dp position in the last generation
         self.spare_watch = SpareWatch(run, pool, reporter.event, agents)  # dead, hung or silent spares, dropped
         self.ahead = NodeHelpersAhead(run, agents, reporter.event)  # keepers and agents started where ready replicas wait
+        self._upload_seen: tuple[int, float] | None = None  # (step, when) of a persistent save a resize waits for
 
     def set_target(self, dp: int, reason: str) -> None:
         run = self.run
@@ -352,15 +356,36 @@ class Generations:
             why = f"{pool.count(ReplicaState.READY)} spare replica(s) ready: growing"
         every = run.spec.checkpoint.in_memory_every or run.spec.checkpoint.persist_every or 1
         with run.lock:
-            seen = max([int(getattr(m, "step", 0)) for _, m in run.hb.values()
-                        if m.generation == run.generation] + [0])
+            beats = [m for _, m in run.hb.values() if m.generation == run.generation]
+        seen = max([int(getattr(m, "step", 0)) for m in beats] + [0])
         target = ((seen + 2 + every - 1) // every) * every
+        if self._upload_first(beats, seen, target, why):
+            return
         if target >= run.spec.training.steps:
             return  # the job ends first, and frees everything
         self.pausing = target
         self._to_ranks(slots, "pause_at", run.generation, target)
         self.reporter.event("growing" if self.target > run.dp else "shrinking",
                             f"pausing after step {target}: {why}", step=target, dp=run.dp, target_dp=self.target)
+
+    def _upload_first(self, beats: list[Any], seen: int, target: int, why: str) -> bool:
+        """Whether the pause waits for a persistent save: a rank told to pause finishes the save in flight
+        before it leaves (its last collective is on the generation's side group), so an upload would sit
+        inside the pause. It is asked once the upload has ended, the group training on meanwhile, and not
+        for a step a save would start at or before (while the saves leave steps between them). Up to
+        UPLOAD_WAIT_S from when the wait began, then the pause is asked regardless."""
+        persist = self.run.spec.checkpoint.persist_every
+        uploading = sorted({int(m.uploading) for m in beats if getattr(m, "uploading", None) is not None})
+        upcoming = persist > target - seen and (target // persist) * persist > seen  # a save starts before the pause
+        if not uploading and not upcoming:
+            self._upload_seen = None
+            return False
+        now = time.monotonic()
+        if self._upload_seen is None:
+            self._upload_seen = (uploading[-1] if uploading else (target // persist) * persist, now)
+            log.info("job %s: %s after the checkpoint of step %d is uploaded", self.run.job_id, why,
+                     self._upload_seen[0])
+        return now - self._upload_seen[1] < UPLOAD_WAIT_S
 
     def _to_ranks(self, slots: list[Slot], call: str, *args: Any) -> None:
         """A command (abort, pause_at) to the generation's ranks: through their node agents while they

@@ -369,22 +369,18 @@ class Generations:
                             f"pausing after step {target}: {why}", step=target, dp=run.dp, target_dp=self.target)
 
     def _upload_first(self, beats: list[Any], seen: int, target: int, why: str) -> bool:
-        """Whether the pause waits for a persistent save: a rank told to pause finishes the save in flight
-        before it leaves (its last collective is on the generation's side group), so an upload would sit
-        inside the pause. It is asked once the upload has ended, the group training on meanwhile, and not
-        for a step a save would start at or before (while the saves leave steps between them). Up to
-        UPLOAD_WAIT_S from when the wait began, then the pause is asked regardless."""
-        persist = self.run.spec.checkpoint.persist_every
-        uploading = sorted({int(m.uploading) for m in beats if getattr(m, "uploading", None) is not None})
-        upcoming = persist > target - seen and (target // persist) * persist > seen  # a save starts before the pause
-        if not uploading and not upcoming:
+        """Whether the pause waits for a persistent save (`upload_in_the_way`), up to UPLOAD_WAIT_S from
+        when the wait began; then the pause is asked regardless."""
+        ck = self.run.spec.checkpoint
+        uploading = [int(m.uploading) for m in beats if getattr(m, "uploading", None) is not None]
+        step = upload_in_the_way(ck.persist_every, ck.in_memory_every, uploading, seen, target)
+        if step is None:
             self._upload_seen = None
             return False
         now = time.monotonic()
         if self._upload_seen is None:
-            self._upload_seen = (uploading[-1] if uploading else (target // persist) * persist, now)
-            log.info("job %s: %s after the checkpoint of step %d is uploaded", self.run.job_id, why,
-                     self._upload_seen[0])
+            self._upload_seen = (step, now)
+            log.info("job %s: %s after the checkpoint of step %d is uploaded", self.run.job_id, why, step)
         return now - self._upload_seen[1] < UPLOAD_WAIT_S
 
     def _to_ranks(self, slots: list[Slot], call: str, *args: Any) -> None:
@@ -454,3 +450,19 @@ class Generations:
         refs = [s.run_ref for s in slots if s.run_ref is not None and s.result is None]
         if refs:
             ray.wait(refs, num_returns=len(refs), timeout=max(0.0, deadline - time.monotonic()))
+
+
+def upload_in_the_way(persist_every: int, in_memory_every: int, uploading: list[int], seen: int,
+                      target: int) -> int | None:
+    """The persistent save a pause after step `target` (the ranks seen at step `seen`) would wait for,
+    or None. A rank told to pause finishes the save in flight before it leaves (its last collective is on
+    the generation's side group), so its upload would sit inside the pause: a save uploading now, or, where
+    the restore comes from the keepers (in_memory_every > 0) and the saves leave steps between them, one
+    that starts at a step up to `target`. Without snapshots the pause is at a save's step on purpose: the
+    next generation restores that save."""
+    if uploading:
+        return max(uploading)
+    starts = (target // persist_every) * persist_every if persist_every else 0
+    if in_memory_every > 0 and persist_every > target - seen and starts > seen:
+        return starts
+    return None

@@ -32,6 +32,10 @@ class PauseClock:
         """Generation `generation` is launched because of `cause` (a small set: it is a metric's label)."""
         self._causes[generation] = cause
 
+    def start_after(self, row: dict[str, Any]) -> None:
+        """The next pause is measured from `row` (the last one an earlier supervisor wrote)."""
+        self._last = row
+
     def rows(self, rows: list[dict[str, Any]]) -> list[Pause]:
         """The pauses that these rows (the next ones written, in step order) end."""
         out: list[Pause] = []

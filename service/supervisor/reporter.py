@@ -123,7 +123,7 @@ class Reporter:
             self.last_row_step = max([int(r["step"]) for r in written] + [0])
             if written:  # the last row before our restart: the next re-form's pause is measured from it
                 self.last_row = written[-1]
-                self.pauses.rows([self.last_row])
+                self.pauses.start_after(self.last_row)
             self._resend_rows_the_store_lacks(written)
         self._metrics_log = MetricsLog(metrics_path, truncate=not run.restarted)
         if run.spec.tensorboard:

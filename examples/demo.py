@@ -279,11 +279,7 @@ def summarize(console: Console, client: Any, job: Any, s3: Any, run_dir: Path) -
                           highlight=False)
 
     g = client.goodput(job.id)
-    if g.ratio is not None:
-        causes = ", ".join(f"{k} {v:.2f}s" for k, v in sorted(g.paused_by_cause.items(), key=lambda kv: -kv[1]))
-        console.print(f"[bold]goodput[/bold]   {g.ratio:.1%} of the {g.wall_s:.1f}s since step 1 went into steps "
-                      f"(client.goodput): training paused {g.paused_s:.2f}s in {g.pauses} re-form(s)"
-                      + (f" ({causes})" if causes else "") + f", {g.other_s:.2f}s between steps", highlight=False)
+    console.print(f"[bold]goodput[/bold]   {g.summary} (client.goodput)", highlight=False)
 
     ckpts = client.checkpoints(job.id)
     console.print(f"\ncheckpoints recorded by the service (client.checkpoints): {len(ckpts)}")

@@ -38,6 +38,24 @@ class Goodput:
         """The share of the wall time spent in steps; None before a step with times."""
         return min(1.0, self.step_s / self.wall_s) if self.wall_s > 0 else None
 
+    def summary(self) -> str:
+        """One line for people (the CLI, the console, the demo): the one place it is worded, e.g.
+        "0.93 of 81.2s since step 1 in steps; paused 4.1s in 6 re-forms (worker_died 2.9s, growth 1.2s);
+        1 step trained again". "-" before a timed step."""
+        if self.ratio is None:
+            return "-"
+        out = f"{self.ratio:.2f} of {self.wall_s:.1f}s since step 1 in steps"
+        if self.pauses:
+            causes = ", ".join(f"{k} {v:.1f}s" for k, v in sorted(self.by_cause.items(), key=lambda kv: -kv[1]))
+            out += f"; paused {self.paused_s:.1f}s in {_count(self.pauses, 're-form')} ({causes})"
+        if self.lost_steps:
+            out += f"; {_count(self.lost_steps, 'step')} trained again"
+        return out
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
 
 def goodput_of(rows: Iterable[dict[str, Any]], events: Iterable[tuple[str, dict[str, Any] | None]]) -> Goodput:
     """`rows`: the job's metrics rows in step order (a step's later rows, e.g. written again by a

@@ -169,7 +169,7 @@ def status(
         ("step", "-" if p.step is None else f"{p.step}/{p.total_steps}"), ("loss", _fmt(p.loss, ".4f")), ("eval loss", _fmt(p.eval_loss, ".4f")),
         ("tokens/s", _fmt(p.tokens_per_s, ",.0f")), ("dp", _fmt(p.dp)), ("target dp", _fmt(p.target_dp)),
         ("world_size", _fmt(p.world_size)),
-        ("generation", _fmt(p.generation)), ("recoveries", p.recoveries), ("goodput", _goodput(good)),
+        ("generation", _fmt(p.generation)), ("recoveries", p.recoveries), ("goodput", good.summary),
         ("created", _ts(job.created_at)),
         ("started", _ts(job.started_at)), ("finished", _ts(job.finished_at)),
     ]
@@ -187,19 +187,6 @@ def status(
         for ck in cks:
             table.add_row(str(ck.step), ck.tier, ck.uri, _ts(ck.ts))
         Console().print(table)
-
-
-def _goodput(g: Any) -> str:
-    """e.g. "0.93 of 81.2s since step 1 in steps; paused 4.1s in 6 re-forms (worker_died 2.9s, growth 1.2s)"."""
-    if g.ratio is None:
-        return "-"
-    out = f"{g.ratio:.2f} of {g.wall_s:.1f}s since step 1 in steps"
-    if g.pauses:
-        causes = ", ".join(f"{k} {v:.1f}s" for k, v in sorted(g.paused_by_cause.items(), key=lambda kv: -kv[1]))
-        out += f"; paused {g.paused_s:.1f}s in {g.pauses} re-form{'s' if g.pauses != 1 else ''} ({causes})"
-    if g.lost_steps:
-        out += f"; {g.lost_steps} step{'s' if g.lost_steps != 1 else ''} trained again"
-    return out
 
 
 def events(

@@ -377,4 +377,5 @@ def job_checkpoints(job_id: str, _job: VisibleJob, state: State) -> schemas.Chec
 def job_goodput_of(job_id: str, _job: VisibleJob, state: State) -> schemas.Goodput:
     g = job_goodput(state.store, job_id)
     return schemas.Goodput(steps=g.steps, wall_s=g.wall_s, step_s=g.step_s, paused_s=g.paused_s, other_s=g.other_s,
-                           ratio=g.ratio, pauses=g.pauses, paused_by_cause=g.by_cause, lost_steps=g.lost_steps)
+                           ratio=g.ratio, pauses=g.pauses, paused_by_cause=g.by_cause, lost_steps=g.lost_steps,
+                           summary=g.summary())

@@ -25,6 +25,15 @@ def test_steps_pauses_and_the_rest_add_up_to_the_wall_time() -> None:
     assert g.paused_s == pytest.approx(2.25) and g.other_s == pytest.approx(0.05)
     assert g.by_cause == {"worker_died": 2.0, "growth": 0.25}
     assert g.ratio == pytest.approx(2.5 / 4.8)
+    assert g.summary() == ("0.52 of 4.8s since step 1 in steps; paused 2.2s in 2 re-forms (worker_died 2.0s, growth 0.2s); "
+                           "1 step trained again")
+
+
+def test_the_summary_line_says_only_what_happened() -> None:
+    assert goodput_of([], []).summary() == "-"
+    assert goodput_of([_row(1, 10.5), _row(2, 11.0)], []).summary() == "1.00 of 1.0s since step 1 in steps"
+    one = goodput_of([_row(1, 10.5), _row(2, 12.0)], [("resumed", {"cause": "growth", "pause_s": 1.0})])
+    assert one.summary() == "0.50 of 2.0s since step 1 in steps; paused 1.0s in 1 re-form (growth 1.0s)"
 
 
 def test_a_step_written_twice_counts_once_and_rows_without_times_are_not_timed() -> None:

@@ -57,7 +57,7 @@ function renderJob() {
     ["dp", `${p.dp ?? "—"} (range ${j.min_world}–${j.max_world ?? "cluster"} workers)`],
     ["Generation", p.generation ?? "—"],
     ["Recoveries", p.recoveries],
-    ["Goodput", goodputText(S.goodput)],
+    ["Goodput", S.goodput ? S.goodput.summary : "—"],
     ["Priority", j.priority],
     ["Submitted", `${ago(j.created_at)} ago`],
     ["Started", fmtTime(j.started_at)],
@@ -66,13 +66,6 @@ function renderJob() {
   document.getElementById("job-facts").replaceChildren(
     ...facts.map(([k, v]) => el("div", {}, el("dt", {}, k), el("dd", {}, v))));
   document.getElementById("spec").textContent = JSON.stringify(j.spec, null, 2);
-}
-
-function goodputText(g) {
-  if (!g || g.ratio === null) return "—";
-  let out = `${(g.ratio * 100).toFixed(1)}% of ${fmtSecs(g.wall_s)} in steps`;
-  if (g.pauses) out += `; paused ${fmtSecs(g.paused_s)} in ${g.pauses} re-form${g.pauses === 1 ? "" : "s"}`;
-  return out;
 }
 
 async function refreshJob() {

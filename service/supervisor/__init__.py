@@ -20,7 +20,9 @@ The parts, one file each:
     kept_notes.py   the rows and output lines live workers kept that the supervisor lacks
     generations.py  start, watch and stop one generation; rank_of
     pool.py         the replica pool (ReplicaState) and its worker actors
+    spares.py       the warm spares beside the group: watched, counted, told (events, gauge, rows)
     spare_watch.py  warm spares found dead, stopped or silent, dropped before a failure picks one
+    upload_wait.py  a resize held while a persistent checkpoint uploads
     detection.py    failures (FailureKind), hangs, stragglers, the root cause
     agents.py       the node agents' batches of notes, and what their silence says
     node_helpers.py a node's keeper and agent, started ahead where a replica waits to join

@@ -123,7 +123,7 @@ class Supervisor:
                     rep["gap"][note.worker] = last.gap_s
                     rep["time"][note.worker] = last.step_time_s
                     if note.metrics is not None:
-                        run.pending_rows[note.step] = self.generations.with_spares(note.metrics)
+                        run.pending_rows[note.step] = self.generations.spares.in_row(note.metrics)
                         run.last_step_seen = max(run.last_step_seen, note.step)
                 case _:
                     pass  # fencing: notes of an old generation are ignored

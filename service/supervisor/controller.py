@@ -296,7 +296,7 @@ class Controller:
         if dp != old_dp:
             reporter.event("resized", f"dp {old_dp} -> {dp} (world {old_dp * run.mp} -> {dp * run.mp})",
                            old_dp=old_dp, new_dp=dp, generation=run.generation, cause=failure.kind.value)
-        self.gens.tell_swap([r for r in reps if r.index in spares_before], lost, old_dp, dp)
+        self.gens.spares.tell_swap([r for r in reps if r.index in spares_before], lost, old_dp, dp)
         reporter.recoveries.begin(RecoveryTiming(
             kind=failure.kind.value, cause=failure.cause(), t_fault=failure.t_fault, t_detect=t_detect,
             t_launch=t_launch, last_step=last_step, generation=run.generation,

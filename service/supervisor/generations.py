@@ -21,9 +21,10 @@ from service.supervisor.committer import SnapshotCommitter
 from service.supervisor.context import JobFailed, JobRun
 from service.supervisor.detection import Failure, FailureDetector, root_cause
 from service.supervisor.node_helpers import NodeHelpersAhead
-from service.supervisor.pool import LIVE, Replica, ReplicaPool, ReplicaState, Slot, spares_wanted
+from service.supervisor.pool import LIVE, Replica, ReplicaPool, ReplicaState, Slot
 from service.supervisor.reporter import Reporter
-from service.supervisor.spare_watch import SpareWatch
+from service.supervisor.spares import Spares
+from service.supervisor.upload_wait import UploadWait
 from service.supervisor.words import first_line, plural, restore_phrase
 from workers import telemetry
 from workers.protocol import Heartbeat, RunResult, RunStatus
@@ -36,9 +37,6 @@ _ROOT_CAUSE_GRACE_S = 3.0
 # Replacements wait this long for a recovery's first step at most (a big model's step may take minutes).
 REPLACE_AFTER_RECOVERY_S = 10.0
 _NODES_CHECK_S = 0.5  # while stopping, pending ranks' nodes are checked this often (checkpointing.nodes)
-# A resize waits at most this long for a persistent save's upload to end (training on meanwhile), then
-# pauses regardless (uploads back to back leave no gap).
-UPLOAD_WAIT_S = 60.0
 
 
 class GenerationEnd(Enum):
@@ -73,13 +71,11 @@ class Generations:
         # beyond it are released; a generation above it pauses at its next snapshot and re-forms smaller.
         self.target: int = run.dp_max
         self.target_reason: str = ""
-        self.spares_wanted = spares_wanted(run)  # resources.spares: READY replicas kept beyond the target
-        self._spares_told: tuple[int, ...] | None = None  # the spares (replica indices) the last event named
-        self.spares_now = 0  # spares ready beside the running group, as last counted (see with_spares)
+        self.spares = Spares(run, pool, reporter, agents)  # the warm spares: watched, counted, told
         self._positions: dict[int, int] = {}  # replica index -> its dp position in the last generation
-        self.spare_watch = SpareWatch(run, pool, reporter.event, agents)  # dead, hung or silent spares, dropped
         self.ahead = NodeHelpersAhead(run, agents, reporter.event)  # keepers and agents started where ready replicas wait
-        self._upload_seen: tuple[int, float] | None = None  # (step, when) of a persistent save a resize waits for
+        ck = run.spec.checkpoint
+        self.upload_wait = UploadWait(run.job_id, ck.persist_every, ck.in_memory_every)  # resizes after uploads
 
     def set_target(self, dp: int, reason: str) -> None:
         run = self.run
@@ -98,12 +94,12 @@ class Generations:
         while live < self.target:
             pool.request()
             live += 1
-        if live < self.target + self.spares_wanted:
+        if live < self.target + self.spares.wanted:
             hint = pool.spare_node_hint()
-            while live < self.target + self.spares_wanted:
+            while live < self.target + self.spares.wanted:
                 pool.request(prefer_node=hint)
                 live += 1
-        surplus = live - max(self.target, pool.count(ReplicaState.ACTIVE)) - self.spares_wanted
+        surplus = live - max(self.target, pool.count(ReplicaState.ACTIVE)) - self.spares.wanted
         for state in (ReplicaState.PENDING, ReplicaState.STARTING, ReplicaState.READY):
             for rep in reversed(pool.in_state(state)):
                 if surplus <= 0:
@@ -188,16 +184,15 @@ class Generations:
             s.run_ref = s.handle.run.remote(generation, s.rank, world, host, port, dp, restore=target,
                                             timeout_s=timeout, keepers=keepers or None,
                                             agent=agents.get(str((s.info or {}).get("node_name"))))
-        self.spares_now = len(self.pool.spares())
-        telemetry.record_group(run.job_id, dp, generation, spares=self.spares_now)
+        spares = self.spares.count_at_launch()
+        telemetry.record_group(run.job_id, dp, generation, spares=spares)
         self.reporter.event("generation", f"Generation {generation} starts with {plural(world, 'worker')} at "
                             f"dp={dp}" + restore_phrase(target) + ".",
                             generation=generation, dp=dp, world_size=world,
                             restore=target and {k: v for k, v in target.items() if k != "known"},
                             ranks={s.name: s.rank for s in slots}, keepers=sorted(keepers), agents=sorted(agents),
                             nodes=sorted({r.node_name or "?" for r in reps}),
-                            **({"spares": self.spares_now} if self.spares_wanted else {}))
-        self._spares_told = None  # the spares are told again against this generation's members
+                            **({"spares": spares} if self.spares.wanted else {}))
 
     def _launch_failed(self, slots: list[Slot], rank0: Slot, e: BaseException) -> None:
         """Rank 0 died or stopped answering before the generation could form (e.g. killed during a
@@ -247,8 +242,8 @@ class Generations:
             self.reporter.maybe_flush_logs()
             self.pool.advance()
             self.ahead.start([(r.index, r.node_name) for r in self.pool.in_state(ReplicaState.READY) if r.node_name],
-                             self._group_nodes)
-            self.tell_spares()
+                             self.pool.active_nodes)
+            self.spares.tell()
             slots = self.pool.active_slots()
             pending = [s for s in slots if s.result is None]
             if pending:
@@ -283,58 +278,6 @@ class Generations:
             self.fit_pool()
             self._maybe_pause_to_resize(slots)
 
-    # ----------------------------------------------------------------- spares
-    def tell_spares(self) -> None:
-        """An event and the spares gauge whenever the warm spares beside the running group change (a job
-        with resources.spares only): how many are ready of how many wanted, and on which nodes."""
-        if not self.spares_wanted or not self.pool.count(ReplicaState.ACTIVE):
-            return
-        self.spare_watch.check()
-        spares = self.pool.spares()
-        self.spares_now = len(spares)
-        now = tuple(r.index for r in spares)
-        if now == self._spares_told:
-            return
-        self._spares_told = now
-        members = self._group_nodes()
-        nodes = [r.node_name or "?" for r in spares]
-        apart = sum(1 for r in spares if r.node_name not in members)
-        where = (f" on node {', '.join(nodes)} ({apart} of them away from the group's nodes "
-                 f"{', '.join(sorted(str(m) for m in members))})" if spares else "")
-        short = self.spares_wanted - len(spares)
-        self.reporter.event("spares", f"{len(spares)} of {plural(self.spares_wanted, 'warm spare replica')} "
-                            f"ready{where}" + (f"; {short} more when capacity allows" if short > 0 else "") + ".",
-                            spares=len(spares), wanted=self.spares_wanted, replicas=list(now), nodes=nodes,
-                            group_nodes=sorted(str(m) for m in members), apart=apart, generation=self.run.generation)
-        telemetry.record_group(self.run.job_id, self.run.dp, self.run.generation, spares=len(spares))
-
-    def _group_nodes(self) -> set[str]:
-        return {r.node_name for r in self.pool.in_state(ReplicaState.ACTIVE) if r.node_name}
-
-    def tell_swap(self, joined: list[Replica], lost: list[int], old_dp: int, dp: int) -> None:
-        """The `spare_swapped` event: warm spares that took the place of lost replicas in the generation
-        just launched (the job's dp held, or shrank less than it would have without them)."""
-        if not joined or not self.spares_wanted:
-            return  # without spares, replicas that were ready join as growth (the `resized` event says it)
-        nodes = [r.node_name or "?" for r in joined]
-        held = "dp stays" if dp >= old_dp else "dp"
-        took = f"replaced lost replica(s) {', '.join(str(i) for i in lost)}" if lost else "joined the group"
-        self.reporter.event(
-            "spare_swapped", f"{plural(len(joined), 'warm spare replica')} ({', '.join(str(r.index) for r in joined)} "
-            f"on node {', '.join(nodes)}) {took} in "
-            f"generation {self.run.generation}: {held} {dp}" + (f" (was {old_dp})" if dp != old_dp else "") + ".",
-            generation=self.run.generation, replicas=[r.index for r in joined], lost=lost, nodes=nodes,
-            old_dp=old_dp, dp=dp, spares_left=len(self.pool.spares()))
-
-    def with_spares(self, row: dict[str, Any]) -> dict[str, Any]:
-        """A copy of a rank's metrics row, which for a job with spares says how many were ready when it
-        came (metrics.jsonl and the API's progress carry it). Called by the actor's inbox thread: it reads
-        the count the controller's thread last set, never the pool itself."""
-        out = dict(row)
-        if self.spares_wanted:
-            out["spares"] = self.spares_now
-        return out
-
     def _maybe_pause_to_resize(self, slots: list[Slot]) -> None:
         """Pause at the next snapshot boundary when the generation should re-form: smaller, because the
         target dropped below its dp; or bigger, when spare replicas are ready up to the target."""
@@ -359,7 +302,7 @@ class Generations:
             beats = [m for _, m in run.hb.values() if m.generation == run.generation]
         seen = max([int(getattr(m, "step", 0)) for m in beats] + [0])
         target = ((seen + 2 + every - 1) // every) * every
-        if self._upload_first(beats, seen, target, why):
+        if self.upload_wait.holds(beats, seen, target, why):
             return
         if target >= run.spec.training.steps:
             return  # the job ends first, and frees everything
@@ -367,21 +310,6 @@ class Generations:
         self._to_ranks(slots, "pause_at", run.generation, target)
         self.reporter.event("growing" if self.target > run.dp else "shrinking",
                             f"pausing after step {target}: {why}", step=target, dp=run.dp, target_dp=self.target)
-
-    def _upload_first(self, beats: list[Any], seen: int, target: int, why: str) -> bool:
-        """Whether the pause waits for a persistent save (`upload_in_the_way`), up to UPLOAD_WAIT_S from
-        when the wait began; then the pause is asked regardless."""
-        ck = self.run.spec.checkpoint
-        uploading = [int(m.uploading) for m in beats if getattr(m, "uploading", None) is not None]
-        step = upload_in_the_way(ck.persist_every, ck.in_memory_every, uploading, seen, target)
-        if step is None:
-            self._upload_seen = None
-            return False
-        now = time.monotonic()
-        if self._upload_seen is None:
-            self._upload_seen = (step, now)
-            log.info("job %s: %s after the checkpoint of step %d is uploaded", self.run.job_id, why, step)
-        return now - self._upload_seen[1] < UPLOAD_WAIT_S
 
     def _to_ranks(self, slots: list[Slot], call: str, *args: Any) -> None:
         """A command (abort, pause_at) to the generation's ranks: through their node agents while they
@@ -451,18 +379,3 @@ class Generations:
         if refs:
             ray.wait(refs, num_returns=len(refs), timeout=max(0.0, deadline - time.monotonic()))
 
-
-def upload_in_the_way(persist_every: int, in_memory_every: int, uploading: list[int], seen: int,
-                      target: int) -> int | None:
-    """The persistent save a pause after step `target` (the ranks seen at step `seen`) would wait for,
-    or None. A rank told to pause finishes the save in flight before it leaves (its last collective is on
-    the generation's side group), so its upload would sit inside the pause: a save uploading now, or, where
-    the restore comes from the keepers (in_memory_every > 0) and the saves leave steps between them, one
-    that starts at a step up to `target`. Without snapshots the pause is at a save's step on purpose: the
-    next generation restores that save."""
-    if uploading:
-        return max(uploading)
-    starts = (target // persist_every) * persist_every if persist_every else 0
-    if in_memory_every > 0 and persist_every > target - seen and starts > seen:
-        return starts
-    return None

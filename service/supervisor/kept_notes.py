@@ -60,7 +60,7 @@ def rows_from_workers(run: JobRun, reporter: Reporter, gens: Generations, slots:
     if out:
         with run.lock:
             for row in out:
-                run.pending_rows.setdefault(int(row["step"]), gens.with_spares(row))
+                run.pending_rows.setdefault(int(row["step"]), gens.spares.in_row(row))
         reporter.flush_metrics()
     return len(out)
 

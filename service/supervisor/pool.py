@@ -183,6 +183,10 @@ class ReplicaPool:
         """READY replicas while a generation runs: warm, outside the group, ready to replace a lost one."""
         return self.in_state(ReplicaState.READY) if self.count(ReplicaState.ACTIVE) else []
 
+    def active_nodes(self) -> set[str]:
+        """The nodes the running group's replicas are on."""
+        return {n for r in self.in_state(ReplicaState.ACTIVE) if (n := r.node_name)}
+
     def spare_node_hint(self) -> str | None:
         """Where a new spare should go: the live node that holds the fewest of the job's replicas (none,
         where one is free) among those whose resources cover a replica; None when no node qualifies."""

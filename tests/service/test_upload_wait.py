@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from service.supervisor.generations import upload_in_the_way
+from service.supervisor.upload_wait import upload_in_the_way
 
 
 def test_a_save_uploading_now_is_waited_for() -> None:

@@ -121,9 +121,10 @@ class Goodput(BaseModel):
     paused_by_cause: dict[str, float] = Field(description="seconds paused by cause: a failure's kind, growth, "
                                                           "scheduler, ...")
     lost_steps: int = Field(description="steps trained again after recoveries")
-    summary: str = Field(description='all of it in one line for people, e.g. "0.93 of 81.2s since step 1 in steps; '
-                                     'paused 4.1s in 6 re-forms (worker_died 2.9s, growth 1.2s)"; "-" before a '
-                                     "timed step")
+    # (a default: an older server's answer has no summary, and a newer client still reads the figures)
+    summary: str = Field("-", description='all of it in one line for people, e.g. "0.93 of 81.2s since step 1 in '
+                                          'steps; paused 4.1s in 6 re-forms (worker_died 2.9s, growth 1.2s)"; "-" '
+                                          "before a timed step")
 
 
 class FieldError(BaseModel):

@@ -108,6 +108,14 @@ def test_supervisor_killed_while_workers_train_on(head_cluster: Any, tmp_path: P
     rec_ev = next(e for e in events[after:] if e.kind == "recovered")
     print(f"\n{adopted.message}\n{gen.message}\n{rec_ev.message}")
     assert rec_ev.data["kind"] == "supervisor_restarted" and rec_ev.data["lost_steps"] <= 1, rec_ev.message
+    # The restarted instance timed the re-form's pause (its clock set by the rows the workers gave back;
+    # without them, by the last row its predecessor wrote: test_reporter_rows), and the job's goodput
+    # counts it under its cause.
+    assert isinstance(rec_ev.data.get("pause_s"), float) and rec_ev.data["pause_s"] > 0, rec_ev.data
+    from service.goodput import job_goodput
+
+    good = job_goodput(store, rec.id)
+    assert good.by_cause.get("supervisor_restarted") == pytest.approx(rec_ev.data["pause_s"]), good
     for e in events:
         if e.kind == "recovered":
             assert e.data["lost_steps"] <= 1, e.message

@@ -378,4 +378,3 @@ class Generations:
         refs = [s.run_ref for s in slots if s.run_ref is not None and s.result is None]
         if refs:
             ray.wait(refs, num_returns=len(refs), timeout=max(0.0, deadline - time.monotonic()))
-

@@ -73,7 +73,7 @@ class Generations:
         self.target_reason: str = ""
         self.spares = Spares(run, pool, reporter, agents)  # the warm spares: watched, counted, told
         self._positions: dict[int, int] = {}  # replica index -> its dp position in the last generation
-        self.ahead = NodeHelpersAhead(run, agents, reporter.event)  # keepers and agents started where ready replicas wait
+        self.ahead = NodeHelpersAhead(run, agents, reporter.event)  # helpers where replicas wait to join
         ck = run.spec.checkpoint
         self.upload_wait = UploadWait(run.job_id, ck.persist_every, ck.in_memory_every)  # resizes after uploads
 
@@ -241,8 +241,7 @@ class Generations:
             self.committer.keeper_set.watch()
             self.reporter.maybe_flush_logs()
             self.pool.advance()
-            self.ahead.start([(r.index, r.node_name) for r in self.pool.in_state(ReplicaState.READY) if r.node_name],
-                             self.pool.active_nodes)
+            self.ahead.start(self.pool.waiting(), self.pool.active_nodes)
             self.spares.tell()
             slots = self.pool.active_slots()
             pending = [s for s in slots if s.result is None]

@@ -3,9 +3,11 @@
 A generation that takes in a replica on a node new to the group (a grow onto a node that came back, a
 spare or ready replica taken in by a recovery) needs that node's keeper and agent. Started at the
 launch, they are two actor start-ups inside the pause (1.4 s and 1.8 s, one after the other, on the
-2-core VM: goodput_bench's grow-back paused 5.1 s). Started once the replica is ready, they start while
-the group trains on, and a grow waits (training) until they answer, up to AHEAD_WAIT_S; the launch
-then finds them (the agent in the tracker, the keeper by name). The keeper is not added to the
+2-core VM: goodput_bench's grow-back paused 5.1 s). They start as soon as Ray places the replica on
+the node (beside its workers' own start-up), while the group trains on. Not once it is ready: a
+recovery takes a ready spare at once, and its launch waited for helpers started then (a swap paused
+1.28 s, 0.57 s of it for them). A grow waits (training) until they answer, up to AHEAD_WAIT_S; the
+launch then finds them (the agent in the tracker, the keeper by name). The keeper is not added to the
 supervisor's keeper set here: one that holds no copies yet must not count towards a commit's copies.
 Only a head start: when it fails, the launch starts them as before.
 """
@@ -102,7 +104,7 @@ class NodeHelpersAhead:
             what = " and ".join(s.what)
             if len(done) == len(s.pings):
                 self.event("helpers_ready", f"The {what} of node {n} answered {waited:.2f}s after they were "
-                           "started there ahead of the replica that waits to join.", node=n, waited_s=round(waited, 3))
+                           "started there ahead of the replica that is to join.", node=n, waited_s=round(waited, 3))
             else:
                 self.event("helpers_late", f"The {what} of node {n} did not answer within {AHEAD_WAIT_S:.0f}s of "
                            "their start; the group grows now, and its launch waits for them.", node=n,

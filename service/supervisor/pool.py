@@ -86,6 +86,7 @@ class Replica:
     slots: list[Slot] = field(default_factory=list)
     state: ReplicaState = ReplicaState.PENDING
     since: float = field(default_factory=time.monotonic)
+    placed_name: str | None = None  # the node Ray placed its bundles on, named at its spawn (None: unknown)
 
     @property
     def node(self) -> str | None:
@@ -187,6 +188,12 @@ class ReplicaPool:
         """The nodes the running group's replicas are on."""
         return {n for r in self.in_state(ReplicaState.ACTIVE) if (n := r.node_name)}
 
+    def waiting(self) -> list[tuple[int, str]]:
+        """(index, node name) of the replicas outside the group, starting or ready, whose node is known:
+        where a swap or a grow will take a replica in, so that node's helpers can start ahead."""
+        return [(r.index, n) for state in (ReplicaState.STARTING, ReplicaState.READY)
+                for r in self.in_state(state) if (n := r.node_name or r.placed_name)]
+
     def spare_node_hint(self) -> str | None:
         """Where a new spare should go: the live node that holds the fewest of the job's replicas (none,
         where one is free) among those whose resources cover a replica; None when no node qualifies."""
@@ -234,6 +241,7 @@ class ReplicaPool:
             rep.slots.append(slot)
         rep.state = ReplicaState.STARTING
         rep.since = time.monotonic()
+        rep.placed_name = _placed_name(rep)
 
     def advance(self) -> None:
         """Move replicas along without blocking: granted bundles get workers, started workers get ready."""
@@ -423,6 +431,19 @@ def _placed_on(rep: Replica) -> str | None:
     with contextlib.suppress(Exception):
         placed = ray.util.placement_group_table(rep.res.pg).get("bundles_to_node_id") or {}
         return str(placed[0]) if placed.get(0) else None
+    return None
+
+
+def _placed_name(rep: Replica) -> str | None:
+    """The name of the node a just-spawned replica's bundles are on (two reads of Ray's tables, once a
+    replica); None when Ray cannot say."""
+    from checkpointing.nodes import node_ids_by_name
+
+    node_id = _placed_on(rep)
+    if node_id is None:
+        return None
+    with contextlib.suppress(Exception):
+        return next((name for name, i in node_ids_by_name().items() if i == node_id), None)
     return None
 
 

@@ -136,6 +136,11 @@ def test_node_loss_shrinks_then_a_new_node_grows_it_back(nodes_cluster: LocalClu
         ready = [e for e in run.of("helpers_ready") if e["data"]["node"] == added[1] and not e["data"].get("late")]
         growing = [e for e in run.of("growing") if e["data"]["target_dp"] == 4]
         assert ready and growing and ready[0]["id"] < growing[-1]["id"], [e["message"] for e in run.events[-12:]]
+        # ...started as Ray placed the replica there, before its workers were ready (a swap taking that
+        # replica at once would otherwise wait for them in its pause).
+        started_at = ready[0]["ts"] - ready[0]["data"]["waited_s"]
+        joined = [e for e in run.of("replica_ready") if added[1] in e["data"]["nodes"]]
+        assert joined and started_at < joined[0]["ts"], (started_at, joined, ready[0]["message"])
         for ev in run.of("recovered"):
             assert ev["data"]["lost_steps"] <= 1, ev
             assert ev["data"]["pause_s"] > 0, ev  # the training time the recovery cost, from the rows

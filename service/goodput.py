@@ -14,6 +14,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from service.text import plural
+
 # The events that carry a re-form's pause, and where each names its cause.
 PAUSE_EVENTS = {"recovered": "kind", "resumed": "cause"}
 _PAGE = 10000
@@ -47,14 +49,10 @@ class Goodput:
         out = f"{self.ratio:.2f} of {self.wall_s:.1f}s since step 1 in steps"
         if self.pauses:
             causes = ", ".join(f"{k} {v:.1f}s" for k, v in sorted(self.by_cause.items(), key=lambda kv: -kv[1]))
-            out += f"; paused {self.paused_s:.1f}s in {_count(self.pauses, 're-form')} ({causes})"
+            out += f"; paused {self.paused_s:.1f}s in {plural(self.pauses, 're-form')} ({causes})"
         if self.lost_steps:
-            out += f"; {_count(self.lost_steps, 'step')} trained again"
+            out += f"; {plural(self.lost_steps, 'step')} trained again"
         return out
-
-
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def goodput_of(rows: Iterable[dict[str, Any]], events: Iterable[tuple[str, dict[str, Any] | None]]) -> Goodput:

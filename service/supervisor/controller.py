@@ -28,7 +28,7 @@ from service.supervisor.kept_notes import lines_from_workers, rows_from_workers
 from service.supervisor.pool import ReplicaPool, ReplicaState
 from service.supervisor.recovery_clock import RecoveryTiming
 from service.supervisor.reporter import Reporter
-from service.supervisor.words import plural
+from service.text import plural
 from workers.protocol import RunStatus
 
 log = logging.getLogger("unbroken.supervisor")

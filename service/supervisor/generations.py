@@ -25,7 +25,8 @@ from service.supervisor.pool import LIVE, Replica, ReplicaPool, ReplicaState, Sl
 from service.supervisor.reporter import Reporter
 from service.supervisor.spares import Spares
 from service.supervisor.upload_wait import UploadWait
-from service.supervisor.words import first_line, plural, restore_phrase
+from service.supervisor.words import first_line, restore_phrase
+from service.text import plural
 from workers import telemetry
 from workers.protocol import Heartbeat, RunResult, RunStatus
 

@@ -34,7 +34,8 @@ from service.placement import ReplicaReservation, release, release_job_groups, r
 from service.supervisor.context import JobRun
 from service.supervisor.ray_poll import ready_now
 from service.supervisor.reporter import Reporter
-from service.supervisor.words import first_line, plural
+from service.supervisor.words import first_line
+from service.text import plural
 from workers.protocol import RunResult, RunStatus
 from workers.zygote_client import command as zygote_command
 from workers.zygote_client import env_key

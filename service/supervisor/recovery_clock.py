@@ -14,7 +14,8 @@ from typing import Any
 
 from service.supervisor.context import JobRun
 from service.supervisor.pauses import Pause
-from service.supervisor.words import SOURCE_WORDS, fmt_s, plural
+from service.supervisor.words import SOURCE_WORDS, fmt_s
+from service.text import plural
 
 
 @dataclass

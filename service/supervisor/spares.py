@@ -14,7 +14,7 @@ from service.supervisor.context import JobRun
 from service.supervisor.pool import Replica, ReplicaPool, ReplicaState, spares_wanted
 from service.supervisor.reporter import Reporter
 from service.supervisor.spare_watch import SpareWatch
-from service.supervisor.words import plural
+from service.text import plural
 from workers import telemetry
 
 

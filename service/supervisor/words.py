@@ -16,10 +16,6 @@ def first_line(e: Any) -> str:
     return text.splitlines()[0][:300] if text else type(e).__name__
 
 
-def plural(n: int, word: str) -> str:
-    return f"{n} {word}" + ("" if n == 1 else "s")
-
-
 def fmt_s(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.2f}s"
 

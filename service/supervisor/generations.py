@@ -35,7 +35,9 @@ log = logging.getLogger("unbroken.supervisor")
 _POLL_S = 0.05
 # How long a broken collective waits for the failure of a rank's own that broke it (see settle).
 _ROOT_CAUSE_GRACE_S = 3.0
-# Replacements wait this long for a recovery's first step at most (a big model's step may take minutes).
+# A new worker's start-up (imports, engine) takes the cores a recovery's first step needs: replacements
+# are asked for, and granted ones spawned, once the recovering generation completed a step, or after this
+# long at most (a big model's step may take minutes).
 REPLACE_AFTER_RECOVERY_S = 10.0
 _NODES_CHECK_S = 0.5  # while stopping, pending ranks' nodes are checked this often (checkpointing.nodes)
 
@@ -241,7 +243,9 @@ class Generations:
             self.committer.commit()  # flushes the metrics rows first
             self.committer.keeper_set.watch()
             self.reporter.maybe_flush_logs()
-            self.pool.advance()
+            # A bundle granted during a recovery (a dead worker freed it) waits for the recovery's first
+            # step to spawn its worker, as fit_pool's requests do.
+            self.pool.advance(spawn=self.reporter.recoveries.recovering_for() >= REPLACE_AFTER_RECOVERY_S)
             self.ahead.start(self.pool.waiting(), self.pool.active_nodes)
             self.spares.tell()
             slots = self.pool.active_slots()

@@ -244,10 +244,11 @@ class ReplicaPool:
         rep.since = time.monotonic()
         rep.placed_name = _placed_name(rep)
 
-    def advance(self) -> None:
-        """Move replicas along without blocking: granted bundles get workers, started workers get ready."""
+    def advance(self, *, spawn: bool = True) -> None:
+        """Move replicas along without blocking: granted bundles get workers (unless `spawn` is False:
+        they wait granted), started workers get ready."""
         for rep in list(self.replicas.values()):
-            if rep.state == ReplicaState.PENDING and rep.res is not None and rep.res.ready(0):
+            if rep.state == ReplicaState.PENDING and spawn and rep.res is not None and rep.res.ready(0):
                 self._spawn(rep)
             elif rep.state == ReplicaState.STARTING:
                 if len(ready_now(s.info_ref for s in rep.slots)) < len(rep.slots):
@@ -256,11 +257,13 @@ class ReplicaPool:
                     for s in rep.slots:
                         s.info = ray.get(s.info_ref)
                     rep.state = ReplicaState.READY
-                    rep.since = time.monotonic()
+                    started, rep.since = rep.since, time.monotonic()
+                    took = rep.since - started  # from its workers' spawn (STARTING's since)
                     where = sorted({str(s.info.get("node_name")) for s in rep.slots if s.info})
                     self.reporter.event("replica_ready", f"Replica {rep.index} is ready: "
-                                        f"{plural(self.run.mp, 'worker')} on node {', '.join(where)}.",
-                                        replica=rep.index, nodes=where)
+                                        f"{plural(self.run.mp, 'worker')} on node {', '.join(where)}, "
+                                        f"{took:.2f}s after they were started.",
+                                        replica=rep.index, nodes=where, start_s=round(took, 3))
                 except RayActorError as e:
                     self.reporter.event("replica_failed", f"Replica {rep.index} failed to start: {first_line(e)}",
                                         replica=rep.index)

@@ -276,3 +276,32 @@ def test_supervisor_crash_is_survived(reference: list[dict[str, Any]], tmp_path:
     finally:
         run.finish()
     assert_no_leaks(run.job_id)
+
+
+def test_room_freed_by_a_death_is_used_after_the_recovery_first_step(head_cluster: Any, tmp_path: Path) -> None:
+    """A spare asked for where four workers fill the node waits, pending. Rank 1's death frees its room
+    during the recovery: the spare's worker is spawned only once the recovering generation completed a
+    step (a start-up's imports would take the cores that step needs), then the job grows back onto it."""
+    # The recovering generation's first step (after step 3) waits 1.2 s on every rank, then they go back to
+    # the pace: Ray grants the freed room (0.5-1 s after the death here) while that step runs.
+    slow = [{"kind": "slow_worker", "step": step, "rank": r, "seconds": s, "generation": 1}
+            for r in range(3) for step, s in ((3, 1.2), (4, 0.3))]
+    chaos = [{"kind": "kill_worker", "step": 3, "rank": 1}, *paced(4, 0.3), *slow]
+    base = tiny_spec(tmp_path, steps=24, chaos=chaos)
+    spec = base.model_copy(update={"resources": base.resources.model_copy(update={"spares": 1})})
+    run = JobRun(spec)
+    try:
+        run.wait(timeout_s=400)
+        assert run.status["state"] == "SUCCEEDED", run.events
+        failure = run.of("failure_detected")[0]
+        (first,) = [r for r in run.rows() if r["generation"] == 1][:1]
+        joined = [e for e in run.of("replica_ready") if e["id"] > failure["id"]]
+        assert joined, run.kinds()
+        spawned_at = joined[0]["ts"] - joined[0]["data"]["start_s"]
+        assert spawned_at >= first["end_time"], (spawned_at - first["end_time"], joined[0]["message"])
+        resizes = [(e["data"]["old_dp"], e["data"]["new_dp"]) for e in run.of("resized")]
+        assert resizes[:2] == [(4, 3), (3, 4)], resizes
+        assert [r["step"] for r in run.rows()] == list(range(1, 25))
+    finally:
+        run.finish()
+    assert_no_leaks(run.job_id)

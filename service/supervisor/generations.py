@@ -35,10 +35,10 @@ log = logging.getLogger("unbroken.supervisor")
 _POLL_S = 0.05
 # How long a broken collective waits for the failure of a rank's own that broke it (see settle).
 _ROOT_CAUSE_GRACE_S = 3.0
-# A new worker's start-up (imports, engine) takes the cores a recovery's first step needs: replacements
-# are asked for, and granted ones spawned, once the recovering generation completed a step, or after this
-# long at most (a big model's step may take minutes).
-REPLACE_AFTER_RECOVERY_S = 10.0
+# A new worker's start-up (imports, engine) takes the cores a re-form's first step needs: replacements and
+# spares are asked for, and granted ones spawned, once the re-formed generation (after a recovery, a grow,
+# a shrink) completed a step, or after this long at most (a big model's step may take minutes).
+REPLACE_AFTER_REFORM_S = 10.0
 _NODES_CHECK_S = 0.5  # while stopping, pending ranks' nodes are checked this often (checkpointing.nodes)
 
 
@@ -91,8 +91,8 @@ class Generations:
         capacity allows; a spare on the node with the fewest of the job's replicas), release those not
         needed (a reservation first, a ready spare last; active ones leave at a pause)."""
         pool = self.pool
-        if self.reporter.recoveries.recovering_for() < REPLACE_AFTER_RECOVERY_S:
-            return  # a new worker's start-up (imports, engine) would take the cores the recovery's first step needs
+        if self.reporter.pauses.reforming_for() < REPLACE_AFTER_REFORM_S:
+            return  # a new worker's start-up (imports, engine) would take the cores the re-form's first step needs
         live = pool.count(*LIVE)
         while live < self.target:
             pool.request()
@@ -243,9 +243,9 @@ class Generations:
             self.committer.commit()  # flushes the metrics rows first
             self.committer.keeper_set.watch()
             self.reporter.maybe_flush_logs()
-            # A bundle granted during a recovery (a dead worker freed it) waits for the recovery's first
-            # step to spawn its worker, as fit_pool's requests do.
-            self.pool.advance(spawn=self.reporter.recoveries.recovering_for() >= REPLACE_AFTER_RECOVERY_S)
+            # Room granted during a re-form (a dead worker freed it) waits for the re-form's first step to
+            # spawn its worker, as fit_pool's requests do.
+            self.pool.advance(spawn=self.reporter.pauses.reforming_for() >= REPLACE_AFTER_REFORM_S)
             self.ahead.start(self.pool.waiting(), self.pool.active_nodes)
             self.spares.tell()
             slots = self.pool.active_slots()

@@ -8,6 +8,8 @@ order; the controller says at each launch why the generation forms (a failure's 
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,10 +29,21 @@ class PauseClock:
     def __init__(self) -> None:
         self._last: dict[str, Any] | None = None  # the last row written
         self._causes: dict[int, str] = {}  # generation -> why it formed
+        self._formed: tuple[int, float] | None = None  # the last generation launched, and when (monotonic)
 
     def formed_for(self, generation: int, cause: str) -> None:
         """Generation `generation` is launched because of `cause` (a small set: it is a metric's label)."""
         self._causes[generation] = cause
+        self._formed = (generation, time.monotonic())
+
+    def reforming_for(self) -> float:
+        """Seconds since the last re-form (a recovery, a grow, a shrink) launched its generation, while
+        that generation has completed no step; infinity otherwise."""
+        if self._formed is None:
+            return math.inf
+        generation, at = self._formed
+        last = self._last.get("generation") if self._last is not None else None
+        return math.inf if isinstance(last, int) and last >= generation else time.monotonic() - at
 
     def start_after(self, row: dict[str, Any]) -> None:
         """The next pause is measured from `row` (the last one an earlier supervisor wrote)."""

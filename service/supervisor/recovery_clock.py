@@ -6,7 +6,6 @@ that trained on in place, and the pause of training it cost (service.supervisor.
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -63,12 +62,6 @@ class RecoveryClock:
         if rec is None or rec.t_fault is not None or generation != rec.failed_generation or worker not in rec.failed:
             return
         rec.t_fault = min(t_fault, rec.t_detect)
-
-    def recovering_for(self) -> float:
-        """Seconds since the current recovery launched its generation, while it has not completed a step;
-        infinity when no recovery is under way."""
-        rec = self.current
-        return math.inf if rec is None or self._row is not None else time.time() - rec.t_launch
 
     def close(self) -> RecoveryTiming | None:
         """An earlier recovery still replaying ends here, with what it reached; it is returned when it was

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from service.supervisor.pauses import OTHER, Pause, PauseClock
@@ -38,3 +39,19 @@ def test_an_unnamed_generation_and_rows_without_times() -> None:
     assert clock.rows([_row(1, 0, 10.0), _row(2, 1, 9.0)]) == [Pause(1, OTHER, 0.0, 4, 2)]  # clocks: never below 0
     assert clock.rows([{"step": 3, "generation": 2}]) == []  # no times: no figure rather than a wrong one
     assert clock.rows([{"step": 4}]) == []
+
+
+def test_a_re_form_lasts_until_its_generation_completes_a_step() -> None:
+    """What holds new workers' start-ups back (service.supervisor.generations): a re-form runs from its
+    launch to its generation's first row, whatever its cause; none runs before the first launch."""
+    clock = PauseClock()
+    assert clock.reforming_for() == math.inf
+    clock.rows([_row(1, 0, 10.0)])
+    assert clock.reforming_for() == math.inf  # generation 0's start is not a re-form
+    for gen, cause in ((1, "worker_died"), (2, "growth")):
+        clock.formed_for(gen, cause)
+        assert 0 <= clock.reforming_for() < 1.0
+        clock.rows([_row(2 * gen, gen - 1, 10.0 + gen)])  # a late row of the generation before: still re-forming
+        assert clock.reforming_for() < 1.0
+        clock.rows([_row(2 * gen + 1, gen, 10.5 + gen)])
+        assert clock.reforming_for() == math.inf

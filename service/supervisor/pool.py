@@ -87,7 +87,8 @@ class Replica:
     slots: list[Slot] = field(default_factory=list)
     state: ReplicaState = ReplicaState.PENDING
     since: float = field(default_factory=time.monotonic)
-    placed_name: str | None = None  # the node Ray placed its bundles on, named at its spawn (None: unknown)
+    placed_name: str | None = None  # the node Ray placed its bundles on, once asked (ReplicaPool.waiting)
+    placed_asked: bool = False  # Ray was asked where (once a replica: a look at two of its tables)
 
     @property
     def node(self) -> str | None:
@@ -191,9 +192,16 @@ class ReplicaPool:
 
     def waiting(self) -> list[tuple[int, str]]:
         """(index, node name) of the replicas outside the group, starting or ready, whose node is known:
-        where a swap or a grow will take a replica in, so that node's helpers can start ahead."""
-        return [(r.index, n) for state in (ReplicaState.STARTING, ReplicaState.READY)
-                for r in self.in_state(state) if (n := r.node_name or r.placed_name)]
+        where a swap or a grow will take a replica in, so that node's helpers can start ahead. A starting
+        one's node is where Ray placed its bundles, asked once (only here: not for a job's first ranks)."""
+        out: list[tuple[int, str]] = []
+        for r in self.in_state(ReplicaState.STARTING) + self.in_state(ReplicaState.READY):
+            if r.state == ReplicaState.STARTING and not r.placed_asked:
+                r.placed_asked = True
+                r.placed_name = _placed_name(r)
+            if n := r.node_name or r.placed_name:
+                out.append((r.index, n))
+        return out
 
     def spare_node_hint(self) -> str | None:
         """Where a new spare should go: the live node that holds the fewest of the job's replicas (none,
@@ -242,7 +250,6 @@ class ReplicaPool:
             rep.slots.append(slot)
         rep.state = ReplicaState.STARTING
         rep.since = time.monotonic()
-        rep.placed_name = _placed_name(rep)
 
     def advance(self, *, spawn: bool = True) -> None:
         """Move replicas along without blocking: granted bundles get workers (unless `spawn` is False:
@@ -439,8 +446,8 @@ def _placed_on(rep: Replica) -> str | None:
 
 
 def _placed_name(rep: Replica) -> str | None:
-    """The name of the node a just-spawned replica's bundles are on (two reads of Ray's tables, once a
-    replica); None when Ray cannot say."""
+    """The name of the node a spawned replica's bundles are on (two reads of Ray's tables); None when Ray
+    cannot say."""
     from checkpointing.nodes import node_ids_by_name
 
     node_id = _placed_on(rep)

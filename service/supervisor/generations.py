@@ -91,8 +91,8 @@ class Generations:
         capacity allows; a spare on the node with the fewest of the job's replicas), release those not
         needed (a reservation first, a ready spare last; active ones leave at a pause)."""
         pool = self.pool
-        if self.reporter.pauses.reforming_for() < REPLACE_AFTER_REFORM_S:
-            return  # a new worker's start-up (imports, engine) would take the cores the re-form's first step needs
+        if not self.may_start_workers():
+            return
         live = pool.count(*LIVE)
         while live < self.target:
             pool.request()
@@ -109,6 +109,11 @@ class Generations:
                     return
                 pool.drop(rep, f"not needed at dp={self.target}")
                 surplus -= 1
+
+    def may_start_workers(self) -> bool:
+        """Whether a new worker may start now (asked for by fit_pool, or spawned into granted room): not
+        while a re-form's generation has completed no step, up to REPLACE_AFTER_REFORM_S."""
+        return self.reporter.pauses.reforming_for() >= REPLACE_AFTER_REFORM_S
 
     def timeout_s(self) -> float:
         from workers.collective_timeout import collective_timeout_s
@@ -243,9 +248,7 @@ class Generations:
             self.committer.commit()  # flushes the metrics rows first
             self.committer.keeper_set.watch()
             self.reporter.maybe_flush_logs()
-            # Room granted during a re-form (a dead worker freed it) waits for the re-form's first step to
-            # spawn its worker, as fit_pool's requests do.
-            self.pool.advance(spawn=self.reporter.pauses.reforming_for() >= REPLACE_AFTER_REFORM_S)
+            self.pool.advance(spawn=self.may_start_workers())  # room a dead worker freed waits too
             self.ahead.start(self.pool.waiting(), self.pool.active_nodes)
             self.spares.tell()
             slots = self.pool.active_slots()

@@ -7,6 +7,9 @@ STAMP := $(VENV)/.installed
 # The CPU wheel is the default where no GPU is present; override with TORCH_SPEC=... if needed.
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+# Test files run this many at a time (pytest-xdist); each file stays on one process, so a module's
+# cluster is started once. TEST_WORKERS=0 runs them one after another.
+TEST_WORKERS ?= 2
 
 .PHONY: install test demo bench lint fmt clean
 
@@ -27,7 +30,7 @@ $(STAMP): pyproject.toml
 
 # pytest's exit 5 (no tests collected) must fail, not pass silently.
 test: install
-	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	@$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
 demo: install

@@ -42,7 +42,7 @@ soak: install ; $(PY) -m tests.soak.soak $(SOAK_ARGS)
 soak-short: install ; $(PY) -m pytest -q -s tests/runtime/test_soak_short.py
 # Whole-cluster faults too long for `make test` (the Ray head SIGKILLed and restarted mid-job, ~2 min).
 test-reliability: install ; $(PY) -m pytest -q -m reliability tests/runtime
-test-autoscaler: install ; UNBROKEN_AUTOSCALER_TEST=1 $(PY) -m pytest -q tests/runtime/test_elastic_sharing.py -k autoscaler
+test-autoscaler: install ; $(PY) -m pytest -q tests/runtime/test_elastic_sharing.py -k autoscaler
 # The bench extra (torchft, goodput_bench's peer) only for the benchmarks; install's editable package, plus it.
 bench: install
 	$(PY) -m pip install -q -e '.[bench]'

@@ -172,9 +172,6 @@ def alive_nodes(url: str, token: str) -> list[dict[str, Any]]:
     return [n for n in got["nodes"] if n["alive"]]
 
 
-@pytest.mark.skipif(os.environ.get("UNBROKEN_AUTOSCALER_TEST") != "1",
-                    reason="a second cluster (ray start with Ray's fake autoscaler) and a serve process: ~85 s; "
-                           "`make test-autoscaler` runs it")
 @pytest.mark.timeout(600)
 def test_queued_demand_brings_a_node_from_the_autoscaler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A job that waits for capacity is asked of Ray's autoscaler (request_resources): a node is added,

@@ -9,7 +9,7 @@ with the API; then the head is started again on the same address and the API aga
 The job goes on: its supervisor and keepers are off the head; the restarted API finds it by name; it
 finishes SUCCEEDED with at most one lost step per failure, and the losses of one process.
 
-Marked `reliability`: out of `make test` for the suite's time (~80-110 s); `make test-reliability` runs it.
+Marked `reliability`: part of `make test` (~80-110 s, beside other files); `make test-reliability` runs it alone.
 """
 
 from __future__ import annotations

@@ -53,8 +53,12 @@ def ensure_chromium() -> str:
 @pytest.fixture(scope="session")
 def browser() -> Iterator[Any]:
     path = ensure_chromium()
-    from playwright.sync_api import sync_playwright
+    from playwright.sync_api import expect, sync_playwright
 
+    # Playwright's 5 s default for an expectation is tight where another test file trains beside this one
+    # on the same 2 cores (`make test` runs two at a time): a check-as-you-type answer took over 5 s there.
+    # An expectation still returns as soon as it holds.
+    expect.set_options(timeout=20_000)
     with sync_playwright() as p:
         b = p.chromium.launch(executable_path=path, args=FLAGS, headless=True)
         try:

@@ -34,6 +34,9 @@ generation forms would otherwise hold every other rank in the arrival barrier un
 Each process writes ABORTED into the release keys of the stores it hosts (rank 0's master, a
 leader's relay), through a connection of its own (a TCPStore client serialises its calls, and the
 rank's own is blocked in the wait); a waiter that wakes to that value leaves with RendezvousAborted.
+Past the barrier, gloo's mesh waits in the store for each peer's address, and nothing releases that
+wait: the abort cuts the join's own connections instead (`sever_new_connections`), so a rank lost
+between the release and its address no longer holds the others for the collective timeout.
 """
 
 from __future__ import annotations
@@ -86,12 +89,14 @@ ABORTED = b"aborted"  # a release key's value when the generation was aborted be
 
 
 class RendezvousAborted(RuntimeError):
-    """The generation was aborted while its ranks were still arriving (one of them was lost)."""
+    """The generation was aborted while its ranks were still arriving or connecting (one of them was lost)."""
 
 
 _abort_lock = threading.Lock()
 _aborted_upto = -1  # this process was told to abort every generation up to this one
 _hosted: dict[int, list[tuple[str, int, list[str]]]] = {}  # generation -> (host, port, release keys) hosted here
+# (generation, this process's sockets before it began joining) while a join is under way: what an abort cuts.
+_joining: tuple[int, dict[int, str]] | None = None
 
 
 def _host(generation: int, host: str, port: int, keys: list[str]) -> None:
@@ -113,11 +118,18 @@ def aborted(generation: int) -> bool:
 
 def abort_rendezvous(generation: int) -> None:
     """Release every rank waiting in a rendezvous of a generation up to `generation` on a store this
-    process hosts: they see ABORTED and leave now rather than at the timeout."""
+    process hosts: they see ABORTED and leave now rather than at the timeout.
+
+    A rank past the arrival barrier may still be connecting gloo's mesh, waiting in the store for the
+    address of a peer lost meanwhile; nothing is released there, and the wait would last the whole
+    collective timeout (10.5 s of a recovery in goodput_bench, a node lost just after a grow began).
+    Its join's connections (store, relay, gloo pairs) are cut instead, after the releases above: the
+    wait fails at once, and `join_group` raises RendezvousAborted."""
     global _aborted_upto
     with _abort_lock:
         _aborted_upto = max(_aborted_upto, generation)
         stores = [x for g, xs in _hosted.items() if g <= generation for x in xs]
+        joining = _joining
     for host, port, keys in stores:
         try:
             client = pdist.make_store(host, port, 1, is_master=False, timeout_s=2.0)
@@ -125,6 +137,8 @@ def abort_rendezvous(generation: int) -> None:
                 client.set(key, ABORTED)
         except Exception as e:  # noqa: BLE001 - the store is gone already: its waiters failed with it
             log.info("could not release the rendezvous on %s:%d: %s", host, port, e)
+    if joining is not None and joining[0] <= generation:
+        sever_new_connections(joining[1])
 
 
 def _released(store: dist.Store, key: str, generation: int, rank: int) -> None:
@@ -266,9 +280,29 @@ def join_group(
 ) -> GroupInfo:
     """Leave any old group, then join generation `generation` (rank 0 passes its own master store;
     `local_ranks`, the ranks on this node, makes the rendezvous two-level, see `rendezvous`)."""
-    global _current
+    global _current, _joining
     leave_group()
     t0 = time.perf_counter()
+    before = socket_fds()
+    try:
+        return _join(generation, rank, world_size, host, port, device, timeout_s, master_store, local_ranks, t0,
+                     before)
+    except RendezvousAborted:
+        raise
+    except Exception as e:
+        if aborted(generation):  # an abort cut this join's connections (abort_rendezvous)
+            raise RendezvousAborted(f"generation {generation} was aborted while rank {rank} was connecting to "
+                                    f"its peers ({type(e).__name__})") from e
+        raise
+    finally:
+        with _abort_lock:
+            _joining = None
+
+
+def _join(generation: int, rank: int, world_size: int, host: str, port: int, device: torch.device,
+          timeout_s: float, master_store: dist.TCPStore | None, local_ranks: Sequence[int] | None,
+          t0: float, before: dict[int, str]) -> GroupInfo:
+    global _current, _joining
     if torch.device(device).type == "cuda":
         for key, value in NCCL_ENV.items():
             os.environ.setdefault(key, value)
@@ -279,10 +313,18 @@ def join_group(
         _current = rdv
         rdv_s = time.perf_counter() - t0
         kind = "tree" if rdv.relay is not None or rdv.local is not None else "flat"
+        store = rdv.store
+        if store is master_store:  # rank 0's own connection predates this join: one an abort can cut
+            store = master_store.clone()  # type: ignore[attr-defined]
+            rdv.keep.append(store)
         # A prefix per generation: keys of an old generation can never satisfy a new one.
-        prefixed = dist.PrefixStore(f"gen{generation}/", rdv.store)
+        prefixed = dist.PrefixStore(f"gen{generation}/", store)
         rdv.keep.append(prefixed)
+        with _abort_lock:  # every rank arrived; from here an abort cuts this join's connections
+            _joining = (generation, before)
         try:
+            if aborted(generation):  # it came between the release and the line above
+                raise RendezvousAborted(f"generation {generation} was aborted as rank {rank} was released")
             pdist.init_process_group(rank, world_size, prefixed, device=device, timeout_s=timeout_s)
         except BaseException:
             leave_group()

@@ -174,7 +174,7 @@ class Worker:
         self._abort_gen = max(self._abort_gen, generation)
         from workers.group import abort_if_stuck, abort_rendezvous
 
-        abort_rendezvous(generation)  # ranks still arriving leave now (one of them was lost)
+        abort_rendezvous(generation)  # ranks still arriving or connecting leave now (one of them was lost)
 
         # NCCL: a rank blocked in a collective with a dead peer never reaches that boundary.
         abort_if_stuck(lambda: self.phase != "training" or self.generation > generation, grace_s=2.0)

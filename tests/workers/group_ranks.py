@@ -111,3 +111,40 @@ def reform(rank: int, world: int, ports: list[int], out: str) -> None:
     except BaseException:  # noqa: BLE001 - reported to the test
         result["error"] = traceback.format_exc()
     Path(out, f"{rank}.pkl").write_bytes(pickle.dumps(result))
+
+
+def lost_while_connecting(rank: int, world: int, port: int, out: str, tree: bool) -> None:
+    """Every rank arrives; the last one is then lost before gloo's mesh connects (its process exits where
+    init_process_group begins), so the others wait in the store for its address. Half a second after it
+    is gone they get the abort a worker gets from its supervisor (`abort_rendezvous`)."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    result: dict[str, Any] = {}
+    lost = Path(out, "lost")
+    try:
+        from parallel import dist as pdist
+        from workers import group
+
+        if rank == world - 1:
+            def gone(*_: Any, **__: Any) -> None:
+                lost.touch()
+                os._exit(0)
+
+            pdist.init_process_group = gone  # type: ignore[assignment]
+        else:
+            def abort_after_loss() -> None:
+                while not lost.exists():
+                    time.sleep(0.02)
+                time.sleep(0.5)
+                result["aborted_at"] = time.perf_counter()
+                group.abort_rendezvous(0)
+
+            threading.Thread(target=abort_after_loss, daemon=True).start()
+        try:
+            _join(0, rank, world, port, [[0], list(range(1, world))] if tree else None, timeout_s=30)
+            result["joined"] = True
+        except Exception as e:  # noqa: BLE001 - the outcome under test
+            result["error"] = f"{type(e).__name__}: {e}"
+        result["left_after_abort_s"] = time.perf_counter() - result.get("aborted_at", float("nan"))
+    except Exception:  # noqa: BLE001
+        result["crash"] = traceback.format_exc()
+    Path(out, f"{rank}.pkl").write_bytes(pickle.dumps(result))

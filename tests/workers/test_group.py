@@ -6,6 +6,7 @@ import pickle
 import tempfile
 from pathlib import Path
 
+import pytest
 import torch.multiprocessing as mp
 
 from tests.workers import group_ranks
@@ -52,3 +53,20 @@ def test_two_level_rendezvous_forms_reforms_and_names_the_missing() -> None:
     assert all(x["gen4_s"] < 30 for x in res[:3]), [x["gen4_s"] for x in res[:3]]
     # Leaving removes the relay's port file.
     assert all(x["port_files"] == [] for x in res)
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["flat", "tree"])
+def test_a_rank_lost_while_the_mesh_connects_is_not_waited_for(tree: bool) -> None:
+    """Past the arrival barrier, gloo's mesh waits in the store for every rank's address. A rank lost
+    there held the others for the whole timeout (10.5 s of a recovery in goodput_bench). The abort cuts
+    the join's connections: they leave with RendezvousAborted at once, not after the 30 s timeout."""
+    world = 3
+    with tempfile.TemporaryDirectory() as out:
+        mp.start_processes(group_ranks.lost_while_connecting, args=(world, free_port(), out, tree), nprocs=world,
+                           join=True, start_method="spawn")
+        res = [pickle.loads(Path(out, f"{r}.pkl").read_bytes()) for r in range(world - 1)]
+    assert not [x["crash"] for x in res if "crash" in x], res
+    for rank, x in enumerate(res):
+        assert x.get("error", "").startswith(
+            f"RendezvousAborted: generation 0 was aborted while rank {rank} was connecting to its peers"), x
+        assert x["left_after_abort_s"] < 5, x

@@ -115,8 +115,8 @@ def reform(rank: int, world: int, ports: list[int], out: str) -> None:
 
 def lost_while_connecting(rank: int, world: int, port: int, out: str, tree: bool) -> None:
     """Every rank arrives; the last one is then lost before gloo's mesh connects (its process exits where
-    init_process_group begins), so the others wait in the store for its address. Half a second after it
-    is gone they get the abort a worker gets from its supervisor (`abort_rendezvous`)."""
+    init_process_group begins), so the others wait in the store for its address. A second after it is
+    gone they get the abort a worker gets from its supervisor (`abort_rendezvous`)."""
     os.environ["OMP_NUM_THREADS"] = "1"
     result: dict[str, Any] = {}
     lost = Path(out, "lost")
@@ -134,7 +134,7 @@ def lost_while_connecting(rank: int, world: int, port: int, out: str, tree: bool
             def abort_after_loss() -> None:
                 while not lost.exists():
                     time.sleep(0.02)
-                time.sleep(0.5)
+                time.sleep(1.0)  # the others are in gloo's connect by then
                 result["aborted_at"] = time.perf_counter()
                 group.abort_rendezvous(0)
 

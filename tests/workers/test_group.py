@@ -66,7 +66,8 @@ def test_a_rank_lost_while_the_mesh_connects_is_not_waited_for(tree: bool) -> No
                            join=True, start_method="spawn")
         res = [pickle.loads(Path(out, f"{r}.pkl").read_bytes()) for r in range(world - 1)]
     assert not [x["crash"] for x in res if "crash" in x], res
-    for rank, x in enumerate(res):
-        assert x.get("error", "").startswith(
-            f"RendezvousAborted: generation 0 was aborted while rank {rank} was connecting to its peers"), x
+    for x in res:
+        # "... while rank R was connecting to its peers": the cut; on a loaded machine a rank may see the
+        # abort before it reaches gloo's connect (released, or not yet), and leaves as promptly.
+        assert x.get("error", "").startswith("RendezvousAborted: generation 0 was aborted"), x
         assert x["left_after_abort_s"] < 5, x

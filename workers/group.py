@@ -280,13 +280,11 @@ def join_group(
 ) -> GroupInfo:
     """Leave any old group, then join generation `generation` (rank 0 passes its own master store;
     `local_ranks`, the ranks on this node, makes the rendezvous two-level, see `rendezvous`)."""
-    global _current, _joining
+    global _joining
     leave_group()
-    t0 = time.perf_counter()
     before = socket_fds()
     try:
-        return _join(generation, rank, world_size, host, port, device, timeout_s, master_store, local_ranks, t0,
-                     before)
+        return _join(generation, rank, world_size, host, port, device, timeout_s, master_store, local_ranks, before)
     except RendezvousAborted:
         raise
     except Exception as e:
@@ -301,8 +299,9 @@ def join_group(
 
 def _join(generation: int, rank: int, world_size: int, host: str, port: int, device: torch.device,
           timeout_s: float, master_store: dist.TCPStore | None, local_ranks: Sequence[int] | None,
-          t0: float, before: dict[int, str]) -> GroupInfo:
+          before: dict[int, str]) -> GroupInfo:
     global _current, _joining
+    t0 = time.perf_counter()
     if torch.device(device).type == "cuda":
         for key, value in NCCL_ENV.items():
             os.environ.setdefault(key, value)

@@ -108,15 +108,24 @@ ChaosKind = Literal["kill_worker", "sigkill_worker", "hang_worker", "kill_node",
                     "kill_keeper", "kill_supervisor"]
 
 
+ChaosAt = Literal["step", "join"]
+# What may fire as a group forms (`at: join`): the losses of a process or a node, which its peers, waiting
+# in the store for its address, can only learn of from the supervisor.
+JOIN_KINDS = ("kill_worker", "sigkill_worker", "hang_worker", "kill_node")
+
+
 class ChaosEvent(_Strict):
-    """A fault injected at a step on a rank (like torchft's fail_at(rank, step))."""
+    """A fault injected at a step on a rank (like torchft's fail_at(rank, step)), or as a generation's
+    group forms (`at: join`)."""
 
     kind: ChaosKind
-    step: int = Field(ge=0)
+    step: int = Field(0, ge=0, description="fire when the rank has completed this many steps (at: step)")
     rank: int = Field(0, ge=0)
     seconds: float = Field(5.0, ge=0, description="slow_worker: delay per step; hang_worker: ignored")
     generation: int | None = Field(0, ge=0, description="fire only in this generation, so it fires once; null: "
                                    "in whichever generation first reaches the rank and step, once per job")
+    at: ChaosAt = Field("step", description="step: before the rank's step `step`; join: once every rank of the "
+                        "generation has arrived, as the group connects (its peers wait for this rank's address)")
 
 
 # A fault that stops its worker (or hangs it): nothing later at the same rank, step and generation fires.
@@ -127,9 +136,18 @@ def chaos_spec_problems(chaos: list[ChaosEvent], steps: int) -> list[tuple[tuple
     """(location under chaos, message, bad value) for each event that can never fire, whatever the
     cluster: a worker checks its faults before each of its steps 0..steps-1 (workers.chaos), once each."""
     out: list[tuple[tuple[int | str, ...], str, Any]] = []
-    first_at: dict[tuple[int, int, int], int] = {}
+    first_at: dict[tuple[int, int, int | None, str], int] = {}
     for i, ev in enumerate(chaos):
-        what = f"{ev.kind} at step {ev.step} on rank {ev.rank}"
+        what = chaos_what(ev)
+        if ev.at == "join" and ev.kind not in JOIN_KINDS:
+            out.append(((i, "kind"), f"{ev.kind} cannot fire as a group connects (at: join): use one of "
+                        f"{', '.join(JOIN_KINDS)}, or at: step", ev.kind))
+            continue
+        if ev.at == "join" and ev.step:
+            out.append(((i, "step"), f"{ev.kind} at: join with step {ev.step}: a fault at join fires as the "
+                        "generation's group connects, before its first step; leave step out (or 0), and pick the "
+                        "generation", ev.step))
+            continue
         if ev.step >= steps:
             out.append(((i, "step"), f"{what} never fires: an event fires when its rank has completed `step` "
                         f"steps, and this job stops at training.steps={steps}; pick a step below {steps}", ev.step))
@@ -137,7 +155,7 @@ def chaos_spec_problems(chaos: list[ChaosEvent], steps: int) -> list[tuple[tuple
         if ev.kind == "slow_worker" and ev.seconds == 0:
             out.append(((i, "seconds"), f"{what} with seconds: 0 slows nothing; set seconds above 0",
                         ev.seconds))
-        at = (ev.rank, ev.step, ev.generation)
+        at = (ev.rank, ev.step, ev.generation, ev.at)
         j = first_at.get(at)
         if j is None:
             first_at[at] = i
@@ -145,14 +163,28 @@ def chaos_spec_problems(chaos: list[ChaosEvent], steps: int) -> list[tuple[tuple
             why = "is the same event" if chaos[j] == ev else f"({chaos[j].kind}) stops that worker first"
             out.append(((i,), f"{what} (generation {ev.generation}) never fires: chaos.{j} {why}; "
                         "move it to another step or rank, or drop it", ev.model_dump()))
+            continue
+        # Every kind that fires at join stops its worker before the generation's first step.
+        j = next((k for k, e in enumerate(chaos) if e.at == "join" and k != i and ev.at == "step"
+                  and ev.generation is not None and (e.rank, e.generation) == (ev.rank, ev.generation)), None)
+        if j is not None:
+            out.append(((i,), f"{what} (generation {ev.generation}) never fires: chaos.{j} ({chaos[j].kind}) stops "
+                        "that worker as the generation's group connects; move it to another generation or rank, "
+                        "or drop it", ev.model_dump()))
     return out
+
+
+def chaos_what(ev: ChaosEvent) -> str:
+    """An event in words: its kind, where it fires, and on which rank."""
+    where = "as its group connects" if ev.at == "join" else f"at step {ev.step}"
+    return f"{ev.kind} {where} on rank {ev.rank}"
 
 
 def chaos_rank_problems(chaos: list[ChaosEvent], max_world: int, why: str) -> list[tuple[str, str]]:
     """(field, message) for each event at a rank the job never has: ranks run 0..max_world-1, where
     `why` says where that bound comes from (the dp range, or the whole cluster)."""
     return [
-        (f"chaos.{i}.rank", f"{ev.kind} at step {ev.step} on rank {ev.rank} never fires: this job has at most "
+        (f"chaos.{i}.rank", f"{chaos_what(ev)} never fires: this job has at most "
                             f"{max_world} workers ({why}), ranks 0..{max_world - 1}; pick a rank below {max_world}")
         for i, ev in enumerate(chaos) if ev.rank >= max_world
     ]

@@ -1,7 +1,9 @@
 """Fault injection inside a worker, from a job's `chaos` list (like torchft's fail_at(rank, step)).
 
 An event fires in the training loop of the worker that holds `rank` in `generation`, when that
-worker has completed `step` steps (step 0: before the first step), so it fires once. With
+worker has completed `step` steps (step 0: before the first step), so it fires once. One `at: join`
+fires instead as that generation's group connects (`as_group_connects`: every rank has arrived, and
+each waits in the store for the others' addresses): a rank lost in the middle of a re-form. With
 `generation: null` it fires in whichever generation first reaches that rank and step, once per job
 (claimed in Ray's KV store before it acts, so a rank re-running that step after a recovery, in
 another process, does not fire it again): what a long soak with many faults needs, since it cannot
@@ -51,14 +53,21 @@ class Fault:
     seconds: float = 5.0
     generation: int | None = 0  # None: any generation, once per job
     index: int = 0  # its place in the job's chaos list (names its once-per-job claim)
+    at: str = "step"  # "step": before step `step`; "join": as the generation's group connects
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], index: int = 0) -> Fault:
         if d.get("kind") not in KINDS:
             raise ValueError(f"chaos kind {d.get('kind')!r} is not one of {KINDS}")
+        if d.get("at", "step") not in ("step", "join"):
+            raise ValueError(f"chaos at {d.get('at')!r} is not 'step' or 'join'")
         gen = d.get("generation", 0)
-        return cls(str(d["kind"]), int(d["step"]), int(d.get("rank", 0)), float(d.get("seconds", 5.0)),
-                   None if gen is None else int(gen), index)
+        return cls(str(d["kind"]), int(d.get("step", 0)), int(d.get("rank", 0)), float(d.get("seconds", 5.0)),
+                   None if gen is None else int(gen), index, str(d.get("at", "step")))
+
+    def where(self) -> str:
+        """Where it fires, in words: "before step N" or "as its group connects"."""
+        return "as its group connects" if self.at == "join" else f"before step {self.step + 1}"
 
 
 def claim_once(job_id: str, fault: Fault, token: str | None = None) -> bool:
@@ -94,7 +103,8 @@ def _job_id() -> str:
 
 
 class Chaos:
-    """The faults meant for one worker; `before_step` is called before each training step."""
+    """The faults meant for one worker; `before_step` is called before each training step, and
+    `as_group_connects` as each generation's group connects."""
 
     def __init__(
         self,
@@ -112,8 +122,17 @@ class Chaos:
         self.slow_s = 0.0
 
     def before_step(self, completed_steps: int, rank: int, generation: int) -> None:
+        self._fire_due("step", completed_steps, rank, generation)
+        if self.slow_s:
+            time.sleep(self.slow_s)
+
+    def as_group_connects(self, rank: int, generation: int) -> None:
+        """Every rank of `generation` has arrived; the group's connections are about to form."""
+        self._fire_due("join", 0, rank, generation)
+
+    def _fire_due(self, at: str, completed_steps: int, rank: int, generation: int) -> None:
         for f in self.faults:
-            if f in self._fired or (f.rank, f.step) != (rank, completed_steps):
+            if f in self._fired or (f.at, f.rank, f.step) != (at, rank, completed_steps):
                 continue
             if f.generation is not None and f.generation != generation:
                 continue
@@ -121,15 +140,13 @@ class Chaos:
             if f.generation is None and not self._claim(f):
                 continue  # another process of this job fired it already
             self._fire(f)
-        if self.slow_s:
-            time.sleep(self.slow_s)
 
     def _fire(self, f: Fault) -> None:
         if f.kind == "slow_worker":
             self.slow_s = f.seconds
         # A line in the job's logs (this process's output is the job's): the trace of a fault that no
         # failure shows, such as a keeper killed, or one that acted while the supervisor was restarting.
-        log.warning("chaos: %s fires on rank %d before step %d", f.kind, f.rank, f.step + 1)
+        log.warning("chaos: %s fires on rank %d %s", f.kind, f.rank, f.where())
         sys.stdout.flush()
         if self._on_fire is not None:
             self._on_fire(f)  # a note (log line, fault time) before the process may vanish

@@ -277,14 +277,18 @@ def join_group(
     timeout_s: float,
     master_store: dist.TCPStore | None = None,
     local_ranks: Sequence[int] | None = None,
+    on_connect: Callable[[], None] | None = None,
 ) -> GroupInfo:
     """Leave any old group, then join generation `generation` (rank 0 passes its own master store;
-    `local_ranks`, the ranks on this node, makes the rendezvous two-level, see `rendezvous`)."""
+    `local_ranks`, the ranks on this node, makes the rendezvous two-level, see `rendezvous`).
+    `on_connect` runs once every rank has arrived, as the group's connections are about to form (chaos
+    `at: join`)."""
     global _joining
     leave_group()
     before = socket_fds()
     try:
-        return _join(generation, rank, world_size, host, port, device, timeout_s, master_store, local_ranks, before)
+        return _join(generation, rank, world_size, host, port, device, timeout_s, master_store, local_ranks, before,
+                     on_connect)
     except RendezvousAborted:
         raise
     except Exception as e:
@@ -299,7 +303,7 @@ def join_group(
 
 def _join(generation: int, rank: int, world_size: int, host: str, port: int, device: torch.device,
           timeout_s: float, master_store: dist.TCPStore | None, local_ranks: Sequence[int] | None,
-          before: dict[int, str]) -> GroupInfo:
+          before: dict[int, str], on_connect: Callable[[], None] | None) -> GroupInfo:
     global _current, _joining
     t0 = time.perf_counter()
     if torch.device(device).type == "cuda":
@@ -324,10 +328,14 @@ def _join(generation: int, rank: int, world_size: int, host: str, port: int, dev
         try:
             if aborted(generation):  # it came between the release and the line above
                 raise RendezvousAborted(f"generation {generation} was aborted as rank {rank} was released")
+            if on_connect is not None:
+                on_connect()
             pdist.init_process_group(rank, world_size, prefixed, device=device, timeout_s=timeout_s)
         except BaseException:
             leave_group()
             raise
+    elif on_connect is not None:  # a group of one connects to no one; it still forms here
+        on_connect()
     join_s = time.perf_counter() - t0
     log.info("generation %d: rank %d of %d joined through a %s rendezvous (%.3fs; group formed in %.3fs)",
              generation, rank, world_size, kind, rdv_s, join_s)

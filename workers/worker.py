@@ -252,7 +252,8 @@ class Worker:
     def _fired(self, fault: Any) -> None:
         """The fault's note reaches the supervisor (through this node's agent) before the process, or its
         node, may vanish: waited for, briefly, so a chaos fault does not stall its peers longer than a real one."""
-        ref = self.send(FaultNote(self.name, self.generation, self.rank, time.time(), kind=fault.kind, step=self.step))
+        ref = self.send(FaultNote(self.name, self.generation, self.rank, time.time(), kind=fault.kind, step=self.step,
+                                   at=fault.at))
         with contextlib.suppress(Exception):
             if self._agent is not None:
                 ref = self._agent.sync.remote()
@@ -304,7 +305,8 @@ class Worker:
             # a two-level rendezvous (workers.group.rendezvous). Without an agent, every rank joins flat.
             local = ray.get(agent.local_ranks.remote(generation), timeout=60) if agent is not None else None
             info = join_group(generation, rank, world_size, host, port, device=device, timeout_s=timeout_s,
-                              master_store=master, local_ranks=local)
+                              master_store=master, local_ranks=local,
+                              on_connect=lambda: self.chaos.as_group_connects(rank, generation))
             timings["join_s"] = info.join_s
             t0 = time.perf_counter()
             # Kept only where a whole state will be loaded into it: a committed snapshot (or, failing

@@ -213,7 +213,8 @@ class FailureDetector:
         who = f"Rank {s.rank} ({s.short} on node {(s.info or {}).get('node_name', '?')})"
         fault = self.fault_of(s)
         if fault is not None:
-            return f"{who} was stopped by chaos ({fault.kind} before step {fault.step + 1})."
+            where = "as its group connected" if fault.at == "join" else f"before step {fault.step + 1}"
+            return f"{who} was stopped by chaos ({fault.kind} {where})."
         if kind == FailureKind.NODE_DIED:
             return f"{who} was lost with its node."
         return f"{who} died: {first_line(e)}"

@@ -62,6 +62,21 @@ REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
     ("the same event twice", _job(chaos=[{"kind": "slow_worker", "step": 2}, {"kind": "slow_worker", "step": 2}]),
      "chaos.1", "slow_worker at step 2 on rank 0 (generation 0) never fires: chaos.0 is the same event; move it to "
      "another step or rank, or drop it"),
+    ("a fault at join that cannot fire there", _job(chaos=[{"kind": "slow_worker", "at": "join", "generation": 1}]),
+     "chaos.0.kind", "slow_worker cannot fire as a group connects (at: join): use one of kill_worker, "
+     "sigkill_worker, hang_worker, kill_node, or at: step"),
+    ("a fault at join given a step", _job(chaos=[_kill(step=3) | {"at": "join"}]), "chaos.0.step",
+     "kill_worker at: join with step 3: a fault at join fires as the generation's group connects, before its "
+     "first step; leave step out (or 0), and pick the generation"),
+    ("a step fault after a join fault on its rank", _job(chaos=[{"kind": "sigkill_worker", "at": "join", "rank": 1},
+                                                              _kill(step=4, rank=1)]),
+     "chaos.1", "kill_worker at step 4 on rank 1 (generation 0) never fires: chaos.0 (sigkill_worker) stops that "
+     "worker as the generation's group connects; move it to another generation or rank, or drop it"),
+    ("a join fault at a rank beyond dp.max", _job(resources={"dp": {"min": 1, "max": 2}},
+                                                  chaos=[{"kind": "kill_worker", "at": "join", "rank": 2}]),
+     "chaos.0.rank",
+     "kill_worker as its group connects on rank 2 never fires: this job has at most 2 workers (dp at most 2 "
+     "(resources.dp.max or the parallelism's dp size) x 1 a replica), ranks 0..1; pick a rank below 2"),
     # Refusals that were there before, for the table's completeness (their text is owned elsewhere).
     ("an unknown field", _job(training={"stepz": 3}), "training.stepz", "Extra inputs are not permitted"),
     ("dp.max below dp.min", _job(resources={"dp": {"min": 4, "max": 2}}), "resources.dp",
@@ -75,6 +90,8 @@ ACCEPTED: list[tuple[str, dict[str, Any]]] = [
     ("the last rank the cluster holds", _job(chaos=[_kill(step=3, rank=7)])),
     ("the same step in another generation", _job(chaos=[_kill(step=4, rank=1), _kill(step=4, rank=1, generation=1)])),
     ("a slow worker then a kill at the same step", _job(chaos=[{"kind": "slow_worker", "step": 4}, _kill(step=4)])),
+    ("a rank lost as generation 1 connects, after a step fault", _job(chaos=[
+        _kill(step=4, rank=3), {"kind": "sigkill_worker", "at": "join", "rank": 1, "generation": 1}])),
 ]
 
 

@@ -14,6 +14,9 @@ On the cluster the KubeRay manifests start, the job is three whole replicas (HSD
 spare: the spare takes the killed rank's place (dp stays 3), the survivors train on in the same
 processes and model objects (`in_place_ranks`), one reads the keepers and the other replicas heal from
 it (`source` keepers + peer).
+
+A rank lost while a re-form connects its group (chaos `at: join`) does not hold the others for the
+collective timeout: the supervisor's abort cuts their connections.
 """
 
 from __future__ import annotations
@@ -322,6 +325,52 @@ def test_serve_on_kuberay_manifest_cluster_swaps_in_a_hot_spare(tmp_path: Path) 
         cluster.add_node("pod-b", num_cpus=2, params=cpu)
         cluster.wait_nodes(3)
         _run_user_path(tmp_path, cluster, second_job=False, spare=True, node_loss=True)
+        ok = True
+    finally:
+        _stop(cluster, ok)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_serve_on_ray_start_cluster_a_rank_lost_as_its_group_connects(tmp_path: Path) -> None:
+    """A rank lost while a re-form connects its group: rank 3 is killed after step 3, and as generation 1's
+    group connects (every rank has arrived, each waits in the store for the others' addresses) its rank 1
+    is SIGKILLed too (chaos `at: join`). The supervisor's abort cuts the survivors' connections
+    (workers.group.abort_rendezvous), so they leave at once rather than wait out the collective timeout
+    (60 s here), and generation 2 trains at dp 2 on one process's losses."""
+    cluster = RayStartCluster(head={"num-cpus": "2"})
+    ok = False
+    try:
+        cluster.add_node("b", num_cpus=2)
+        cluster.wait_nodes(2)
+        serve = Serve(tmp_path / "home", address=cluster.address, env=cluster.env)
+        try:
+            serve.wait_ready()
+            client = serve.client()
+            spec = job_spec("lost-connecting", [{"kind": "kill_worker", "step": 3, "rank": 3},
+                                                {"kind": "sigkill_worker", "at": "join", "rank": 1, "generation": 1}])
+            spec["fault_tolerance"]["collective_timeout_s"] = 60
+            job = client.submit(spec)
+            done = client.wait(job.id, timeout=420)
+            assert done.status == "SUCCEEDED", done
+            events = list(client.events(job.id, follow=False))
+            said = [(e.kind, e.message) for e in events]
+            failures = [e for e in events if e.kind == "failure_detected"]
+            assert len(failures) == 2, said
+            assert "chaos (sigkill_worker as its group connected)" in failures[1].message, failures[1].message
+            gens = {(e.data or {}).get("generation"): e for e in events if e.kind == "generation"}
+            assert 2 in gens, said
+            # Generation 1's survivors were not held for the collective timeout: generation 2 started well
+            # within it (a second or two here; 60 s plus a re-form if the abort had not reached them).
+            waited = gens[2].ts - failures[1].ts
+            print(f"\nrank lost as generation 1 connected: generation 2 started {waited:.2f}s after its detection")
+            assert waited < 30, (waited, said)
+            assert gens[2].data["dp"] == 2, gens[2].data
+            rows = client.metrics(job.id)
+            assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+            assert [r["loss"] for r in rows] == pytest.approx(reference_losses(tmp_path), abs=1e-4)
+        finally:
+            serve.stop()
         ok = True
     finally:
         _stop(cluster, ok)

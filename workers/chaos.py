@@ -66,8 +66,13 @@ class Fault:
                    None if gen is None else int(gen), index, str(d.get("at", "step")))
 
     def where(self) -> str:
-        """Where it fires, in words: "before step N" or "as its group connects"."""
-        return "as its group connects" if self.at == "join" else f"before step {self.step + 1}"
+        return fault_place(self.at, self.step)
+
+
+def fault_place(at: str, step: int) -> str:
+    """Where a fault fires, in words (the worker's log line, the supervisor's cause): "before step N" (1-based)
+    or "as its group connects"."""
+    return "as its group connects" if at == "join" else f"before step {step + 1}"
 
 
 def claim_once(job_id: str, fault: Fault, token: str | None = None) -> bool:

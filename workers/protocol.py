@@ -106,7 +106,7 @@ class CheckpointReport(Note):
 class FaultNote(Note):
     kind: str  # the chaos fault's kind
     step: int
-    at: str = "step"  # where it fired (workers.chaos.Fault.at): before step `step`, or as a group connected
+    at: str = "step"  # where it fired (workers.chaos.Fault.at): before step `step`, or as its group connected
 
 
 @dataclass

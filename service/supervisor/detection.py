@@ -17,6 +17,7 @@ from service.supervisor.context import JobRun
 from service.supervisor.pool import Slot, on_lost_nodes
 from service.supervisor.reporter import Reporter
 from service.supervisor.words import cause_phrase, first_line
+from workers.chaos import fault_place
 from workers.protocol import FaultNote, Note, RankLost, RunResult, RunStatus
 
 
@@ -213,8 +214,7 @@ class FailureDetector:
         who = f"Rank {s.rank} ({s.short} on node {(s.info or {}).get('node_name', '?')})"
         fault = self.fault_of(s)
         if fault is not None:
-            where = "as its group connected" if fault.at == "join" else f"before step {fault.step + 1}"
-            return f"{who} was stopped by chaos ({fault.kind} {where})."
+            return f"{who} was stopped by chaos ({fault.kind} {fault_place(fault.at, fault.step)})."
         if kind == FailureKind.NODE_DIED:
             return f"{who} was lost with its node."
         return f"{who} died: {first_line(e)}"

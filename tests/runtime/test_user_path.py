@@ -357,7 +357,7 @@ def test_serve_on_ray_start_cluster_a_rank_lost_as_its_group_connects(tmp_path: 
             said = [(e.kind, e.message) for e in events]
             failures = [e for e in events if e.kind == "failure_detected"]
             assert len(failures) == 2, said
-            assert "chaos (sigkill_worker as its group connected)" in failures[1].message, failures[1].message
+            assert "chaos (sigkill_worker as its group connects)" in failures[1].message, failures[1].message
             gens = {(e.data or {}).get("generation"): e for e in events if e.kind == "generation"}
             assert 2 in gens, said
             # Generation 1's survivors were not held for the collective timeout: generation 2 started well

@@ -134,6 +134,7 @@ def lost_while_connecting(rank: int, world: int, port: int, out: str, tree: bool
             def abort_after_loss() -> None:
                 while not lost.exists():
                     time.sleep(0.02)
+                result["lost_seen_at"] = time.perf_counter()
                 time.sleep(1.0)  # the others are in gloo's connect by then
                 result["aborted_at"] = time.perf_counter()
                 group.abort_rendezvous(0)
@@ -144,7 +145,9 @@ def lost_while_connecting(rank: int, world: int, port: int, out: str, tree: bool
             result["joined"] = True
         except Exception as e:  # noqa: BLE001 - the outcome under test
             result["error"] = f"{type(e).__name__}: {e}"
-        result["left_after_abort_s"] = time.perf_counter() - result.get("aborted_at", float("nan"))
+        left = time.perf_counter()
+        result["left_after_abort_s"] = left - result.get("aborted_at", float("nan"))
+        result["left_after_loss_s"] = left - result.get("lost_seen_at", float("nan"))
     except Exception:  # noqa: BLE001
         result["crash"] = traceback.format_exc()
     Path(out, f"{rank}.pkl").write_bytes(pickle.dumps(result))

@@ -67,7 +67,14 @@ def test_a_rank_lost_while_the_mesh_connects_is_not_waited_for(tree: bool) -> No
         res = [pickle.loads(Path(out, f"{r}.pkl").read_bytes()) for r in range(world - 1)]
     assert not [x["crash"] for x in res if "crash" in x], res
     for x in res:
-        # "... while rank R was connecting to its peers": the cut; on a loaded machine a rank may see the
-        # abort before it reaches gloo's connect (released, or not yet), and leaves as promptly.
-        assert x.get("error", "").startswith("RendezvousAborted: generation 0 was aborted"), x
-        assert x["left_after_abort_s"] < 5, x
+        # Each survivor leaves within seconds of the loss (the abort comes 1 s after it), not at the 30 s
+        # timeout: with RendezvousAborted ("... while rank R was connecting to its peers", the cut; on a
+        # loaded machine a rank may see the abort before it reaches gloo's connect, and leaves as promptly),
+        # or with its store connection closed under it, when rank 0's abort, which cuts the store server's
+        # side of the join's connections too, came before its own (a race of the two aborts' threads here;
+        # of the supervisor's calls in a job).
+        error = x.get("error", "")
+        assert error.startswith("RendezvousAborted: generation 0 was aborted") or (
+            error.startswith("DistNetworkError") and "Connection was likely closed" in error), x
+        assert x["left_after_loss_s"] < 6, x
+    assert any(x["error"].startswith("RendezvousAborted") for x in res), res

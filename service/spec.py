@@ -137,17 +137,23 @@ def chaos_spec_problems(chaos: list[ChaosEvent], steps: int) -> list[tuple[tuple
     cluster: a worker checks its faults before each of its steps 0..steps-1 (workers.chaos), once each."""
     out: list[tuple[tuple[int | str, ...], str, Any]] = []
     first_at: dict[tuple[int, int, int | None, str], int] = {}
+    # Every kind that fires at join stops its worker before the generation's first step.
+    stopped_at_join: dict[tuple[int, int | None], int] = {}
+    for k, e in enumerate(chaos):
+        if e.at == "join":
+            stopped_at_join.setdefault((e.rank, e.generation), k)
     for i, ev in enumerate(chaos):
         what = chaos_what(ev)
-        if ev.at == "join" and ev.kind not in JOIN_KINDS:
-            out.append(((i, "kind"), f"{ev.kind} cannot fire as a group connects (at: join): use one of "
-                        f"{', '.join(JOIN_KINDS)}, or at: step", ev.kind))
-            continue
-        if ev.at == "join" and ev.step:
-            out.append(((i, "step"), f"{ev.kind} at: join with step {ev.step}: a fault at join fires as the "
-                        "generation's group connects, before its first step; leave step out (or 0), and pick the "
-                        "generation", ev.step))
-            continue
+        if ev.at == "join":
+            if ev.kind not in JOIN_KINDS:
+                out.append(((i, "kind"), f"{ev.kind} cannot fire as a group connects (at: join): use one of "
+                            f"{', '.join(JOIN_KINDS)}, or at: step", ev.kind))
+                continue
+            if ev.step:
+                out.append(((i, "step"), f"{ev.kind} at: join with step {ev.step}: a fault at join fires as the "
+                            "generation's group connects, before its first step; leave step out (or 0), and pick "
+                            "the generation", ev.step))
+                continue
         if ev.step >= steps:
             out.append(((i, "step"), f"{what} never fires: an event fires when its rank has completed `step` "
                         f"steps, and this job stops at training.steps={steps}; pick a step below {steps}", ev.step))
@@ -164,9 +170,7 @@ def chaos_spec_problems(chaos: list[ChaosEvent], steps: int) -> list[tuple[tuple
             out.append(((i,), f"{what} (generation {ev.generation}) never fires: chaos.{j} {why}; "
                         "move it to another step or rank, or drop it", ev.model_dump()))
             continue
-        # Every kind that fires at join stops its worker before the generation's first step.
-        j = next((k for k, e in enumerate(chaos) if e.at == "join" and k != i and ev.at == "step"
-                  and ev.generation is not None and (e.rank, e.generation) == (ev.rank, ev.generation)), None)
+        j = stopped_at_join.get((ev.rank, ev.generation)) if ev.at == "step" and ev.generation is not None else None
         if j is not None:
             out.append(((i,), f"{what} (generation {ev.generation}) never fires: chaos.{j} ({chaos[j].kind}) stops "
                         "that worker as the generation's group connects; move it to another generation or rank, "

@@ -65,9 +65,6 @@ class Fault:
         return cls(str(d["kind"]), int(d.get("step", 0)), int(d.get("rank", 0)), float(d.get("seconds", 5.0)),
                    None if gen is None else int(gen), index, str(d.get("at", "step")))
 
-    def where(self) -> str:
-        return fault_place(self.at, self.step)
-
 
 def fault_place(at: str, step: int) -> str:
     """Where a fault fires, in words (the worker's log line, the supervisor's cause): "before step N" (1-based)
@@ -151,7 +148,7 @@ class Chaos:
             self.slow_s = f.seconds
         # A line in the job's logs (this process's output is the job's): the trace of a fault that no
         # failure shows, such as a keeper killed, or one that acted while the supervisor was restarting.
-        log.warning("chaos: %s fires on rank %d %s", f.kind, f.rank, f.where())
+        log.warning("chaos: %s fires on rank %d %s", f.kind, f.rank, fault_place(f.at, f.step))
         sys.stdout.flush()
         if self._on_fire is not None:
             self._on_fire(f)  # a note (log line, fault time) before the process may vanish

@@ -8,14 +8,14 @@ import multiprocessing as mp
 import signal
 from pathlib import Path
 
-from workers.chaos import Chaos
+from workers.chaos import Chaos, fault_place
 
 
 def _worker(out: str, calls: list[tuple[str, int, int, int]]) -> None:
     fired = Path(out)
     chaos = Chaos([{"kind": "sigkill_worker", "at": "join", "rank": 1, "generation": 1},
                    {"kind": "kill_worker", "step": 0, "rank": 2, "generation": 0}],
-                  is_head_node=lambda: True, on_fire=lambda f: fired.write_text(f"{f.kind} {f.where()}"))
+                  is_head_node=lambda: True, on_fire=lambda f: fired.write_text(f"{f.kind} {fault_place(f.at, f.step)}"))
     for what, steps, rank, gen in calls:
         if what == "step":
             chaos.before_step(steps, rank, gen)

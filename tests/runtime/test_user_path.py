@@ -350,6 +350,12 @@ def test_serve_on_ray_start_cluster_a_rank_lost_as_its_group_connects(tmp_path: 
             spec = job_spec("lost-connecting", [{"kind": "kill_worker", "step": 3, "rank": 3},
                                                 {"kind": "sigkill_worker", "at": "join", "rank": 1, "generation": 1}])
             spec["fault_tolerance"]["collective_timeout_s"] = 60
+            # A join fault given a step is refused through serve's REST, naming the field; nothing is stored.
+            headers = {"Authorization": f"Bearer {client.token}"}
+            bad = {**spec, "chaos": [{"kind": "kill_worker", "at": "join", "step": 3, "rank": 1}]}
+            r = httpx.post(f"{serve.url}/v1/jobs", json=bad, headers=headers, timeout=30)
+            assert r.status_code == 422 and [f["field"] for f in r.json()["fields"]] == ["chaos.0.step"], r.text
+            assert client.list().items == [], client.list()
             job = client.submit(spec)
             done = client.wait(job.id, timeout=420)
             assert done.status == "SUCCEEDED", done

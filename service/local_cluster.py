@@ -119,6 +119,10 @@ class LocalCluster:
         }
         head_args["dashboard_host"] = "127.0.0.1"
         head_args["dashboard_port"] = self.dashboard_port
+        # The head's dashboard agent otherwise takes Ray's fixed 52365 (Ray gives added nodes free ports);
+        # where another cluster holds it, this agent serves nothing and never registers, and Ray's log
+        # API then answers "Agent for node id ... doesn't exist" for every actor on the head.
+        head_args["dashboard_agent_listen_port"] = free_port()
         if self.metrics_export_port is not None:
             head_args["metrics_export_port"] = self.metrics_export_port
         if self.fast_failure_detection:

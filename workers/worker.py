@@ -288,6 +288,9 @@ class Worker:
         )
 
         sockets_before = socket_fds()  # what is not in here when we fail belongs to the group
+        # The last step this process trained, in a generation before this one: the survivor's own word on
+        # how far a failed generation got, which its metrics rows may not have carried to the supervisor.
+        trained_to = self.step
         place = (world_size, rank, dp)
         in_place = False
         self._agent = agent
@@ -329,7 +332,7 @@ class Worker:
                     # of a step past this resume point is refused (checkpointing.catalog's fences).
                     tiers.persistent.fence(generation, trainer.step)
             # Same process, same model and optimizer objects: what a layout-preserving re-form keeps.
-            restored.update(in_place=in_place, pid=self.pid, model_id=id(trainer.model))
+            restored.update(in_place=in_place, pid=self.pid, model_id=id(trainer.model), trained_to=trained_to)
             self.step = trainer.step
             self.phase = "training"
             log.info("generation %d: rank %d of %d (dp=%d) on node %s, formed in %.2fs (%s); %s", generation,

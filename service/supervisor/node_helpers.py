@@ -6,9 +6,11 @@ launch, they are two actor start-ups inside the pause (1.4 s and 1.8 s, one afte
 2-core VM: goodput_bench's grow-back paused 5.1 s). They start as soon as Ray places the replica on
 the node (beside its workers' own start-up), while the group trains on. Not once it is ready: a
 recovery takes a ready spare at once, and its launch waited for helpers started then (a swap paused
-1.28 s, 0.57 s of it for them). A grow waits (training) until they answer, up to AHEAD_WAIT_S; the
-launch then finds them (the agent in the tracker, the keeper by name). The keeper is not added to the
-supervisor's keeper set here: one that holds no copies yet must not count towards a commit's copies.
+1.28 s, 0.57 s of it for them). A grow waits (training) until they answer, up to AHEAD_WAIT_S
+from when it would otherwise pause (not from their start: on a slow node the helpers start as slowly
+as the replicas beside them, and a wait counted from their start was spent before the grow was due);
+the launch then finds them (the agent in the tracker, the keeper by name). The keeper is not added to
+the supervisor's keeper set here: one that holds no copies yet must not count towards a commit's copies.
 Only a head start: when it fails, the launch starts them as before.
 """
 
@@ -34,6 +36,7 @@ class _Started:
     pings: list[Any] = field(default_factory=list)  # the helpers' first answers, pending or done
     what: list[str] = field(default_factory=list)  # "snapshot keeper", "node agent"
     told: bool = False  # their answer (or the wait given up) was said in an event
+    asked: float | None = None  # monotonic: when a grow onto the node was first held for them
 
 
 class NodeHelpersAhead:
@@ -88,8 +91,8 @@ class NodeHelpersAhead:
                     started.what.append("node agent")
 
     def ready(self, nodes: list[str]) -> bool:
-        """Whether the helpers started ahead on these nodes answered (or died, or were given
-        AHEAD_WAIT_S): a grow onto them may pause now. Never blocks; each node's outcome is said once."""
+        """Whether the helpers started ahead on these nodes answered (or died, or the grow, due but for
+        them, waited AHEAD_WAIT_S): it may pause now. Never blocks; each node's outcome is said once."""
         now, ok = time.monotonic(), True
         for n in nodes:
             s = self._started.get(n)
@@ -97,7 +100,9 @@ class NodeHelpersAhead:
                 continue
             done = ready_now(s.pings)
             waited = now - s.at
-            if len(done) < len(s.pings) and waited < AHEAD_WAIT_S:
+            if s.asked is None:
+                s.asked = now
+            if len(done) < len(s.pings) and now - s.asked < AHEAD_WAIT_S:
                 ok = False
                 continue
             s.told = True
@@ -106,7 +111,8 @@ class NodeHelpersAhead:
                 self.event("helpers_ready", f"The {what} of node {n} answered {waited:.2f}s after they were "
                            "started there ahead of the replica that is to join.", node=n, waited_s=round(waited, 3))
             else:
-                self.event("helpers_late", f"The {what} of node {n} did not answer within {AHEAD_WAIT_S:.0f}s of "
-                           "their start; the group grows now, and its launch waits for them.", node=n,
+                self.event("helpers_late", f"The {what} of node {n} did not answer {waited:.2f}s after their start "
+                           f"({AHEAD_WAIT_S:.0f}s after its replicas were ready); the group grows now, and its launch "
+                           "waits for them.", node=n,
                            waited_s=round(waited, 3), late=True)
         return ok

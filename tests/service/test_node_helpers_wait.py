@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import ray
 
 from service.spec import JobSpec
 from service.supervisor import node_helpers
@@ -26,6 +27,13 @@ def _ahead(tmp_path: Path) -> tuple[NodeHelpersAhead, list[tuple[str, dict[str, 
     return NodeHelpersAhead(run, None, lambda what, _msg, **data: events.append((what, data))), events
 
 
+@ray.remote
+def answer_after(s: float) -> str:
+    """A helper's first answer, `s` seconds after it was asked (a keeper or agent starting slowly)."""
+    time.sleep(s)
+    return "pong"
+
+
 def _until(check: Any, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -37,14 +45,7 @@ def _until(check: Any, timeout_s: float) -> bool:
 
 def test_helpers_started_long_ago_get_the_wait_from_when_the_grow_is_due(
         local_ray: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    import ray
-
     monkeypatch.setattr(node_helpers, "AHEAD_WAIT_S", 3.0)
-
-    @ray.remote
-    def answer_after(s: float) -> str:
-        time.sleep(s)
-        return "pong"
 
     ray.get(answer_after.remote(0))  # the worker process is up: the delay below is the helper's own
     ahead, events = _ahead(tmp_path)
@@ -59,14 +60,7 @@ def test_helpers_started_long_ago_get_the_wait_from_when_the_grow_is_due(
 
 def test_helpers_that_never_answer_are_given_up_on_after_the_wait(
         local_ray: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    import ray
-
     monkeypatch.setattr(node_helpers, "AHEAD_WAIT_S", 1.0)
-
-    @ray.remote
-    def answer_after(s: float) -> str:
-        time.sleep(s)
-        return "pong"
 
     ahead, events = _ahead(tmp_path)
     ahead._started["c"] = _Started("node-c", time.monotonic(), pings=[answer_after.remote(60.0)],

@@ -112,7 +112,7 @@ class NodeHelpersAhead:
                            "started there ahead of the replica that is to join.", node=n, waited_s=round(waited, 3))
             else:
                 self.event("helpers_late", f"The {what} of node {n} did not answer {waited:.2f}s after their start "
-                           f"({AHEAD_WAIT_S:.0f}s after its replicas were ready); the group grows now, and its launch "
+                           f"({AHEAD_WAIT_S:.0f}s after the grow onto it was due); the group grows now, and its launch "
                            "waits for them.", node=n,
                            waited_s=round(waited, 3), late=True)
         return ok

@@ -130,8 +130,7 @@ class RecoveryClock:
         restored = min((int(m.restored.get("step", 0)) for m in formed.values()), default=0)
         # How far the failed generation got: what we heard, or further where a survivor trained a step
         # whose row had not reached us when the failure was taken.
-        rec.last_step = max([rec.last_step] + [int(m.restored.get("trained_to") or 0) for m in formed.values()
-                                               if m.generation == rec.generation])
+        rec.last_step = max([rec.last_step, *(int(m.restored.get("trained_to") or 0) for m in formed.values())])
         sources = sorted({str(m.restored.get("source")) for m in formed.values()})
         fallback = sorted({str(m.restored["fallback_reason"]) for m in formed.values()
                            if m.restored.get("fallback_reason")})

@@ -109,6 +109,12 @@ def _run_user_path(tmp: Path, cluster: RayStartCluster, *, second_job: bool, spa
         # The kill comes right after step 5, whose snapshot may still be on its way to the keepers: then
         # that one step is replayed (the bound of in_memory_every: 1), never more.
         assert data["lost_steps"] <= 1, recovered[0].message
+        # Lost steps count what the failed generation trained, by the survivors' word, even where the
+        # supervisor had not yet heard that step's row when it took the failure.
+        assert data["lost_steps"] == data["last_step"] - data["restored_step"], data
+        assert data["last_step"] >= ((failure.data or {}).get("step") or 0), (data, failure.data)
+        if spare:  # the chaos kill fires once rank 1 has completed KILL_STEP: no survivor trains past it
+            assert data["last_step"] == KILL_STEP, data
         assert "from memory" in recovered[0].message and "None" not in recovered[0].message
         assert data["pause_s"] > 0, data  # the training time the recovery cost, through the SDK
         # The job's goodput counts that pause under its failure's kind, beside every step's own time.

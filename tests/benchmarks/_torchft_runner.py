@@ -292,11 +292,12 @@ def run_torchft(tmp: Path, faults: list[Any], timeouts: tuple[float, ...]) -> tu
     return out, f"gloo timeout {_best_timeout:g}s, {restarts} restarts"
 
 
-def run_torchft_width(tmp: Path, replicas: int) -> Any:
-    """Fault-free with `replicas` replica groups (at the timeout the calibration chose): the step time
-    at the width a faulty run dropped to."""
-    assert _best_timeout is not None, "run the fault-free calibration first"
-    return _run_once(tmp, [], _best_timeout, replicas)[0]
+def run_torchft_width(tmp: Path, replicas: int, timeout_s: float | None = None) -> Any:
+    """Fault-free with `replicas` replica groups, at `timeout_s` or else the timeout the calibration
+    chose: the step time at the width a faulty run dropped to."""
+    timeout_s = timeout_s if timeout_s is not None else _best_timeout
+    assert timeout_s is not None, "run the fault-free calibration first, or give a timeout"
+    return _run_once(tmp, [], timeout_s, replicas)[0]
 
 
 if __name__ == "__main__":

@@ -229,27 +229,31 @@ def productive_s(arm: Arm) -> tuple[float, dict[int, float]]:
 
 
 # ---------------------------------------------------------------------------- unbroken
-def _ours_spec(out: Path, spares: int = 0, dp: int | None = None) -> Any:
-    """The job; `dp`: held at that width (a fault-free run at a narrower width), else elastic 1..WORLD."""
+def _ours_spec(out: Path, spares: int = 0, dp: int | None = None, *, parallelism: dict[str, Any] | None = None,
+               in_memory_every: int = 1) -> Any:
+    """The job; `dp`: held at that width (a fault-free run at a narrower width), else elastic 1..WORLD.
+    `parallelism` and `in_memory_every` change the layout and the snapshots (step_gap_bench)."""
     from service.spec import parse_spec
 
     return parse_spec({
         "name": "goodput", "model": MODEL, "training": {**TRAINING, "output_dir": str(out)},
-        "parallelism": {"dp_shard": WORLD},
+        "parallelism": parallelism or {"dp_shard": WORLD},
         "resources": {"cpus_per_worker": RANK_CPUS, "dp": {"min": dp or 1, "max": dp or WORLD},
                       "spares": spares},
-        "checkpoint": {"persist_every": 0, "in_memory_every": 1},
+        "checkpoint": {"persist_every": 0, "in_memory_every": in_memory_every},
         "fault_tolerance": {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": HB_TIMEOUT_S,
                             "collective_timeout_s": COLLECTIVE_TIMEOUT_S, "wait_for_capacity_s": 60,
                             "max_recoveries": 100},
     })  # fmt: skip
 
 
-def run_ours(tmp: Path, cluster: Any, faults: list[Fault], spares: int = 0, dp: int | None = None) -> Outcome:
+def run_ours(tmp: Path, cluster: Any, faults: list[Fault], spares: int = 0, dp: int | None = None,
+             **spec: Any) -> Outcome:
+    """`spec`: _ours_spec's keyword arguments (another layout, other snapshots)."""
     from service.supervisor.pauses import PauseClock
     from tests.runtime.jobs import JobRun, worker_infos
 
-    run = JobRun(_ours_spec(tmp, spares, dp))
+    run = JobRun(_ours_spec(tmp, spares, dp, **spec))
     metrics = tmp / "metrics.jsonl"
 
     def first_step() -> float | None:

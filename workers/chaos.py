@@ -39,6 +39,9 @@ log = logging.getLogger("unbroken.chaos")
 
 KINDS = ("kill_worker", "sigkill_worker", "hang_worker", "kill_node", "slow_worker", "raise_in_step",
          "kill_keeper", "kill_supervisor")
+# The kinds that stop the rank they fire in, so its death or hang is theirs. The others pace it
+# (slow_worker) or strike another process (the keeper, the supervisor) and leave the rank running.
+STOPS_ITS_RANK = frozenset({"kill_worker", "sigkill_worker", "hang_worker", "kill_node", "raise_in_step"})
 
 
 class ChaosError(RuntimeError):

@@ -25,7 +25,7 @@ from service.supervisor.context import CancelRequested, JobFailed, JobRun
 from service.supervisor.detection import Failure
 from service.supervisor.generations import GenerationEnd, Generations
 from service.supervisor.kept_notes import lines_from_workers, rows_from_workers
-from service.supervisor.pool import ReplicaPool, ReplicaState
+from service.supervisor.pool import ReplicaPool, ReplicaState, on_lost_nodes
 from service.supervisor.recovery_clock import RecoveryTiming
 from service.supervisor.reporter import Reporter
 from service.text import plural
@@ -281,8 +281,13 @@ class Controller:
         rows_from_workers(run, reporter, self.gens, survivors, timeout_s=_SURVIVOR_ROWS_S)
         lost_nodes = {str((s.info or {}).get("node_id")) for s in failure.slots} \
             if failure.kind == FailureKind.NODE_DIED else set()
-        if lost_nodes:  # (the survivors are READY by now: none is on a lost node; a worker's death reads no table)
-            pool.drop_ready_on_gone_nodes(lost_nodes)
+        if failure.kind == FailureKind.WORKER_DIED:
+            # A pod's processes die one by one: Ray can tell of a rank's death while its node's raylet still
+            # answers. That node is looked at again now (one probe, not the cluster's): if it is gone, the
+            # group's other ranks there are gone with it and must not be launched into the next generation.
+            lost_nodes = {str((s.info or {}).get("node_id")) for s in on_lost_nodes(failure.slots)}
+        if lost_nodes:  # the survivors are READY by now: those on a lost node are dropped with its spares
+            pool.drop_ready_on_gone_nodes(lost_nodes, members={rep.index for rep in active})
         spares_before = [r.index for r in pool.in_state(ReplicaState.READY) if r.index not in {a.index for a in active}]
         dp = self._choose_dp()
         if dp is None:

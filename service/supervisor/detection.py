@@ -202,10 +202,13 @@ class FailureDetector:
         return f.time if f else None
 
     def fault_of(self, s: Slot) -> FaultNote | None:
-        """The chaos fault that fired in this worker's current generation, if any."""
+        """The chaos fault that fired in this worker's current generation and stops a rank, if any (a
+        slow_worker's pacing note is not the cause of a death that follows it)."""
+        from workers.chaos import STOPS_ITS_RANK
+
         with self.run.lock:
             for f in reversed(self.run.faults):
-                if f.worker == s.name and f.generation == self.run.generation:
+                if f.worker == s.name and f.generation == self.run.generation and f.kind in STOPS_ITS_RANK:
                     return f
         return None
 

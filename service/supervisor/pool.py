@@ -312,12 +312,13 @@ class ReplicaPool:
             s.result = s.result or RunResult(RunStatus.DEAD, s.name, generation, s.rank, 0, error="lost with its node")
             self.write_off(s, "lost with its node")
 
-    def drop_ready_on_gone_nodes(self, lost: Collection[str] = ()) -> None:
+    def drop_ready_on_gone_nodes(self, lost: Collection[str] = (), members: Collection[int] = ()) -> None:
         """Before members are picked (a recovery from a node's loss, a grow): READY replicas (spares, or
         those about to join) on a node that is gone, one of `lost` (the Ray node ids lost) or another found
         gone now (checkpointing.nodes), are dropped. Their heartbeats would tell only after
         heartbeat_timeout_s; a generation launched with one would fail again at once, its other ranks
-        waiting in the rendezvous for it."""
+        waiting in the rendezvous for it. `members`: the indices of the failed generation's replicas (told
+        as `replica_lost`, not as a spare's loss)."""
         ready = self.in_state(ReplicaState.READY)
         if not ready:
             return
@@ -328,9 +329,14 @@ class ReplicaPool:
             gone |= dead_node_ids({r.node for r in ready if r.node is not None})
         for rep in ready:
             if rep.node is not None and rep.node in gone:
-                self.reporter.event("spare_lost", f"Spare replica {rep.index} (node {rep.node_name or '?'}) was "
-                                    "lost with its node: dropped; another is asked for.", replica=rep.index,
-                                    node=rep.node_name)
+                if rep.index in members:  # a survivor of the generation that failed (`members`)
+                    self.reporter.event("replica_lost", f"Replica {rep.index} (node {rep.node_name or '?'}), a member "
+                                        "of the group, was lost with its node: it does not join the next generation.",
+                                        replica=rep.index, node=rep.node_name)
+                else:
+                    self.reporter.event("spare_lost", f"Spare replica {rep.index} (node {rep.node_name or '?'}) was "
+                                        "lost with its node: dropped; another is asked for.", replica=rep.index,
+                                        node=rep.node_name)
                 self.drop(rep, "its node was lost")
 
     def release_all(self) -> None:

@@ -279,22 +279,22 @@ class Controller:
         # can be the newest snapshot whole on the keepers rather than the one before it (a replayed step).
         survivors = [s for rep in active if rep.index not in lost for s in rep.slots]
         rows_from_workers(run, reporter, self.gens, survivors, timeout_s=_SURVIVOR_ROWS_S)
-        lost_nodes = {str((s.info or {}).get("node_id")) for s in failure.slots} \
-            if failure.kind == FailureKind.NODE_DIED else set()
-        if failure.kind == FailureKind.WORKER_DIED:
-            # A pod's processes die one by one: Ray can tell of a rank's death while its node's raylet still
-            # answers. That node is looked at again now (one probe, not the cluster's): if it is gone, the
-            # group's other ranks there are gone with it and must not be launched into the next generation.
-            lost_nodes = {str((s.info or {}).get("node_id")) for s in on_lost_nodes(failure.slots)}
+        # A pod's processes die one by one: Ray can tell of a rank's death while its node's raylet still
+        # answers. So a death's node is looked at again now (one probe, not the cluster's): if it is gone,
+        # the group's other ranks there are gone with it and must not be launched into the next generation.
+        on_lost = failure.slots if failure.kind == FailureKind.NODE_DIED \
+            else on_lost_nodes(failure.slots) if failure.kind == FailureKind.WORKER_DIED else []
+        lost_nodes = {str((s.info or {}).get("node_id")) for s in on_lost}
+        members = {rep.index for rep in active}
         if lost_nodes:  # the survivors are READY by now: those on a lost node are dropped with its spares
-            pool.drop_ready_on_gone_nodes(lost_nodes, members={rep.index for rep in active})
-        spares_before = [r.index for r in pool.in_state(ReplicaState.READY) if r.index not in {a.index for a in active}]
+            pool.drop_ready_on_gone_nodes(lost_nodes, members=members)
+        spares_before = [r.index for r in pool.in_state(ReplicaState.READY) if r.index not in members]
         dp = self._choose_dp()
         if dp is None:
             dp = self._wait_for_capacity()
         if dp < old_dp:
             self._check_resize_fits(dp)
-        reps = pool.members(dp, keep=[r.index for r in active])
+        reps = pool.members(dp, keep=members)
         t_launch = time.time()
         reporter.pauses.formed_for(old_gen + 1, failure.kind.value)
         self.gens.launch(old_gen + 1, reps, restore=True)

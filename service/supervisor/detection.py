@@ -17,7 +17,7 @@ from service.supervisor.context import JobRun
 from service.supervisor.pool import Slot, on_lost_nodes
 from service.supervisor.reporter import Reporter
 from service.supervisor.words import cause_phrase, first_line
-from workers.chaos import fault_place
+from workers.chaos import STOPS_ITS_RANK, fault_place
 from workers.protocol import FaultNote, Note, RankLost, RunResult, RunStatus
 
 
@@ -204,8 +204,6 @@ class FailureDetector:
     def fault_of(self, s: Slot) -> FaultNote | None:
         """The chaos fault that fired in this worker's current generation and stops a rank, if any (a
         slow_worker's pacing note is not the cause of a death that follows it)."""
-        from workers.chaos import STOPS_ITS_RANK
-
         with self.run.lock:
             for f in reversed(self.run.faults):
                 if f.worker == s.name and f.generation == self.run.generation and f.kind in STOPS_ITS_RANK:

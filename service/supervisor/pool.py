@@ -329,14 +329,12 @@ class ReplicaPool:
             gone |= dead_node_ids({r.node for r in ready if r.node is not None})
         for rep in ready:
             if rep.node is not None and rep.node in gone:
-                if rep.index in members:  # a survivor of the generation that failed (`members`)
-                    self.reporter.event("replica_lost", f"Replica {rep.index} (node {rep.node_name or '?'}), a member "
-                                        "of the group, was lost with its node: it does not join the next generation.",
-                                        replica=rep.index, node=rep.node_name)
-                else:
-                    self.reporter.event("spare_lost", f"Spare replica {rep.index} (node {rep.node_name or '?'}) was "
-                                        "lost with its node: dropped; another is asked for.", replica=rep.index,
-                                        node=rep.node_name)
+                where = f"(node {rep.node_name or '?'})"
+                kind, told = (("replica_lost", f"Replica {rep.index} {where}, a member of the group, was lost with "
+                               "its node: it does not join the next generation.") if rep.index in members else
+                              ("spare_lost", f"Spare replica {rep.index} {where} was lost with its node: dropped; "
+                               "another is asked for."))
+                self.reporter.event(kind, told, replica=rep.index, node=rep.node_name)
                 self.drop(rep, "its node was lost")
 
     def release_all(self) -> None:

@@ -332,6 +332,12 @@ class ParallelConfig(_Strict):
     cp: int = Field(1, ge=1)
     ep: int = Field(1, ge=1)
     zero_stage: Literal[1, 2, 3] = Field(3, description="1/2: gradients or states only sharded; 3: full FSDP")
+    fsdp_unit_mib: float = Field(
+        25.0, ge=0,
+        description="consecutive transformer blocks are grouped into FSDP units of at least this many MiB of "
+        "parameters (parallel.fsdp.fsdp_units): one all-gather and one reduce-scatter a unit, so a small model "
+        "is not paced by a collective per block; 0: one unit per block",
+    )
     sequence_parallel: bool = True
     loss_parallel: bool = True
     cpu_offload: bool = False

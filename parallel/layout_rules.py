@@ -360,3 +360,21 @@ def dp_range_problems(p: Sizes, dp_min: int, dp_max: int | None) -> list[LayoutP
             "resources.dp.min", f"{dp_min} is not a multiple of parallelism.dp_replicate={p.dp_replicate}",
             "make it a multiple (whole replicas) or set dp_replicate: 1"))
     return problems
+
+
+def fsdp_units(sizes: Sequence[float], min_size: float) -> list[range]:
+    """Blocks `sizes` (parameter bytes each, in order) grouped into FSDP units of consecutive blocks:
+    a unit closes once it holds `min_size`; a last one smaller than that joins the unit before it.
+    Empty when the blocks would make a single unit: they are then left to the root's unit.
+    `min_size` 0 gives one unit per block, whatever their number."""
+    units: list[range] = []
+    start, held = 0, 0.0
+    for i, size in enumerate(sizes):
+        held += size
+        if held >= min_size:
+            units.append(range(start, i + 1))
+            start, held = i + 1, 0.0
+    if start < len(sizes):  # the tail holds less than min_size
+        tail = range(units.pop().start if units else start, len(sizes))
+        units.append(tail)
+    return units if len(units) > 1 or min_size <= 0 else []

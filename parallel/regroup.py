@@ -32,13 +32,13 @@ def can_keep(trainer: Any) -> bool:
 def _fsdp_groups(model: nn.Module) -> list[Any]:
     from torch.distributed.fsdp import FSDPModule
 
-    groups = []
+    groups: dict[int, Any] = {}  # by id: the blocks of one unit share their group
     for m in model.modules():
         if isinstance(m, FSDPModule):
             g = m._get_fsdp_state()._fsdp_param_group
             if g is not None:
-                groups.append(g)
-    return groups
+                groups[id(g)] = g
+    return list(groups.values())
 
 
 def _mesh_infos(group: Any) -> list[Any]:

@@ -159,6 +159,7 @@ class Trainer:
                 model, dims.fsdp_mesh(self.mesh), zero_stage=p.zero_stage,
                 param_dtype=torch.bfloat16 if self.bf16 else torch.float32, reduce_dtype=torch.float32,
                 cpu_offload=p.cpu_offload, device_type=self.device.type, reshard_after_forward=reshard,
+                unit_mib=p.fsdp_unit_mib,
             )
         init_device = torch.device("cpu") if (self.fsdp and p.cpu_offload) else self.device
         init_weights(model, cfg.model, device=init_device, values=not self._restoring)

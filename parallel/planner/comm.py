@@ -93,8 +93,8 @@ def estimate_comm(model: ModelConfig, train: TrainConfig, layout: Layout, cluste
 
     n = layout.shard_group
     r = layout.dp_replicate
-    # FSDP2 as the engine applies it (parallel/fsdp.py): ZeRO-3 gathers each block for forward and
-    # again for backward; ZeRO-1/2 gather once per micro-batch (no reshard after forward); gradients
+    # FSDP2 as the engine applies it (parallel/fsdp.py): ZeRO-3 gathers each unit (blocks grouped by
+    # layout_rules.fsdp_units, and the root) for forward and again for backward; ZeRO-1/2 gather once per micro-batch (no reshard after forward); gradients
     # are reduce-scattered every micro-batch except under ZeRO-1 (once a step). Pipeline stages keep
     # their weights gathered through the step.
     stage = layout.zero_stage
@@ -103,16 +103,16 @@ def estimate_comm(model: ModelConfig, train: TrainConfig, layout: Layout, cluste
         inter = spans_nodes(layout, "fsdp", cluster)
         gathers = 1 if layout.pp > 1 else (2 * m if stage == 3 else m)
         vol = gathers * all_gather_volume(psi * wb, n)
-        out.append(_term(f"FSDP (ZeRO-{stage}) all-gather", "fsdp", vol, gathers * rp.layers, cluster, inter,
+        out.append(_term(f"FSDP (ZeRO-{stage}) all-gather", "fsdp", vol, gathers * rp.fsdp_units, cluster, inter,
                          "gathers·Ψ·w·(N−1)/N", f"{gathers} × {g(psi)} × {wb} × {n - 1}/{n}", "all_gather"))
         vol = syncs * reduce_scatter_volume(psi * gb, n)
-        out.append(_term(f"FSDP (ZeRO-{stage}) reduce-scatter", "fsdp", vol, syncs * rp.layers, cluster, inter,
+        out.append(_term(f"FSDP (ZeRO-{stage}) reduce-scatter", "fsdp", vol, syncs * rp.fsdp_units, cluster, inter,
                          "syncs·Ψ·4·(N−1)/N", f"{syncs} × {g(psi)} × 4 × {n - 1}/{n}", "reduce_scatter"))
     if r > 1:
         inter = spans_nodes(layout, "dp_replicate", cluster)
         shard = psi / n
         vol = syncs * all_reduce_volume(shard * gb, r)
-        out.append(_term("gradient all-reduce (dp_replicate)", "dp_replicate", vol, syncs * rp.layers, cluster,
+        out.append(_term("gradient all-reduce (dp_replicate)", "dp_replicate", vol, syncs * rp.fsdp_units, cluster,
                          inter, "syncs·2·(Ψ/N)·4·(R−1)/R", f"{syncs} × 2 × {g(shard)} × 4 × {r - 1}/{r}"))
     t = layout.tp
     if t > 1:

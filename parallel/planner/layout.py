@@ -38,6 +38,7 @@ class Layout:
     pp_stages_per_rank: int = 1
     sequence_parallel: bool = True
     cpu_offload: bool = False
+    fsdp_unit_mib: float = ParallelConfig.model_fields["fsdp_unit_mib"].default
 
     @property
     def world(self) -> int:
@@ -76,7 +77,7 @@ class Layout:
             pp=self.pp, ep=self.ep, zero_stage=self.zero_stage, pp_schedule=self.pp_schedule,
             pp_microbatches=self.pp_microbatches if self.pp > 1 else base.pp_microbatches,
             pp_stages_per_rank=self.pp_stages_per_rank, cpu_offload=self.cpu_offload,
-            sequence_parallel=self.sequence_parallel,
+            sequence_parallel=self.sequence_parallel, fsdp_unit_mib=self.fsdp_unit_mib,
         )
         if self.pp == 1:
             data["pp_microbatches"] = None
@@ -95,7 +96,7 @@ def layout_from_config(p: ParallelConfig, world: int) -> tuple[Layout | None, li
         dp_replicate=p.dp_replicate, dp_shard=dp_shard, cp=p.cp, tp=p.tp, pp=p.pp, ep=p.ep,
         zero_stage=p.zero_stage, pp_schedule=p.pp_schedule, pp_microbatches=p.pp_microbatches,
         pp_stages_per_rank=p.pp_stages_per_rank, sequence_parallel=p.sequence_parallel,
-        cpu_offload=p.cpu_offload,
+        cpu_offload=p.cpu_offload, fsdp_unit_mib=p.fsdp_unit_mib,
     )
     return layout, []
 

@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass, field
 
 from parallel.config import ModelConfig, TrainConfig
+from parallel.layout_rules import fsdp_units
 from parallel.planner.hardware import Cluster
 from parallel.planner.layout import Layout, batch_shape
 from parallel.planner.params import count_params
@@ -30,6 +31,7 @@ from parallel.planner.terms import Term, fmt_bytes, g, total
 # Bytes per parameter of (weights, gradients, optimizer states) under AdamW.
 STATE_BYTES = {"bfloat16": (2, 2, 12), "float32": (4, 4, 8)}
 ACT_BYTES = {"bfloat16": 2, "float32": 4}
+MASTER_BYTES = 4  # the engine keeps fp32 parameters (bf16 is FSDP's compute copy): what its units count
 
 
 def model_state_bytes(psi: float, n: int, stage: int, dtype: str = "bfloat16") -> tuple[float, float, float]:
@@ -190,7 +192,8 @@ class RankParams:
     moe_layers: int
     has_embedding: bool
     has_output: bool
-    largest_unit: float  # local params of the biggest FSDP unit (a layer) before sharding
+    largest_unit: float  # local params of the biggest FSDP unit before sharding (layout_rules.fsdp_units)
+    fsdp_units: int  # FSDP units on this rank, the root's included: one all-gather and reduce-scatter each
 
 
 def rank_params(model: ModelConfig, layout: Layout, which: str) -> RankParams:
@@ -213,10 +216,14 @@ def rank_params(model: ModelConfig, layout: Layout, which: str) -> RankParams:
     if has_out:
         dense += pc.output + pc.final_norm
     experts = moe_layers * pc.experts_per_layer / (layout.ep * t)
-    unit = max(pc.layer_dense if dense_layers else 0,
-               pc.layer_moe_shared + pc.experts_per_layer / layout.ep if moe_layers else 0) / t
+    moe_size = pc.layer_moe_shared + pc.experts_per_layer / layout.ep
+    every = model.moe.every_n_layers if model.moe is not None else 0
+    sizes = [(moe_size if every and i % every == every - 1 else pc.layer_dense) / t for i in range(layers)]
+    units = fsdp_units([s * MASTER_BYTES for s in sizes], layout.fsdp_unit_mib * 2**20)
+    # Blocks in no unit are the root's: then the model is one unit, gathered whole.
+    unit = max((sum(sizes[i] for i in u) for u in units), default=dense / t + experts)
     return RankParams(dense=dense / t, experts=experts, layers=layers, moe_layers=moe_layers,
-                      has_embedding=has_emb, has_output=has_out, largest_unit=unit)
+                      has_embedding=has_emb, has_output=has_out, largest_unit=unit, fsdp_units=len(units) + 1)
 
 
 def estimate_memory(model: ModelConfig, train: TrainConfig, layout: Layout, cluster: Cluster,

@@ -140,6 +140,7 @@ def enumerate_layouts(model: ModelConfig, world: int, cluster: Cluster, base: Pa
                             pp_microbatches=base.pp_microbatches if pp > 1 else None,
                             pp_stages_per_rank=stages_per_rank(base.pp_schedule, pp, base.pp_stages_per_rank),
                             sequence_parallel=base.sequence_parallel, cpu_offload=base.cpu_offload,
+                            fsdp_unit_mib=base.fsdp_unit_mib,
                         )
 
 

@@ -222,3 +222,20 @@ def test_one_layout_at_a_new_dp() -> None:
                       "parallelism": {"dp_replicate": 2, "dp_shard": -1, "tp": 2}, "resources": {"dp": {"min": 2}}})
     assert job_problems(job) == []
     assert autolayout.check_resize(job, 3, make_cluster(6, "cpu")) == []
+
+
+@pytest.mark.parametrize(("sizes", "min_size", "units"), [
+    ([1, 1, 1, 1], 0, [[0], [1], [2], [3]]),  # 0: a unit per block (a big model's blocks)
+    ([5], 0, [[0]]),
+    ([1, 1, 1, 1], 2, [[0, 1], [2, 3]]),
+    ([1, 1, 1, 1, 1], 2, [[0, 1], [2, 3, 4]]),  # a short tail joins the unit before it
+    ([3, 1, 1, 3], 2, [[0], [1, 2], [3]]),
+    ([1, 1, 1, 1], 3, []),  # one unit of every block: the blocks are the root's
+    ([1, 1], 100, []),
+    ([], 1, []),
+])
+def test_fsdp_units_group_consecutive_blocks(sizes: list[float], min_size: float, units: list[list[int]]) -> None:
+    got = layout_rules.fsdp_units(sizes, min_size)
+    assert [list(u) for u in got] == units
+    if got:  # every block in exactly one unit, in order
+        assert [i for u in got for i in u] == list(range(len(sizes)))

@@ -37,6 +37,10 @@ BF16_TOL = 1e-2
 
 AC = ("none", "full")
 MOE: dict[str, Any] = {"preset": "mixtral-tiny"}
+# The tiny model is one FSDP unit at the default fsdp_unit_mib; a big model's blocks are a unit each
+# (fsdp_unit_mib 0 here), and four tiny blocks of 0.18 MiB make two units of two at 0.3 MiB.
+PER_BLOCK: dict[str, Any] = {"fsdp_unit_mib": 0}
+DEEP: dict[str, Any] = {"n_layers": 4}
 LAYOUTS: list[dict[str, Any]] = (
     [dict(name=f"fsdp2-{ac}", world=2, training={"activation_checkpointing": ac}) for ac in AC]
     + [dict(name=f"tp2-{ac}", world=2, parallelism={"tp": 2}, training={"activation_checkpointing": ac})
@@ -63,8 +67,23 @@ LAYOUTS: list[dict[str, Any]] = (
         # without FSDP their plain parameters sit beside DTensors in the optimizer.
         dict(name="tp2-moe", world=2, parallelism={"tp": 2}, model=MOE),
         dict(name="fsdp2xtp2-moe", world=4, parallelism={"tp": 2}, model=MOE),
+        dict(name="fsdp4-perblock-full", world=4, parallelism=PER_BLOCK, training={"activation_checkpointing": "full"}),
+        dict(name="hsdp2x2-perblock", world=4, parallelism={"dp_replicate": 2, **PER_BLOCK}),
+        dict(name="fsdp2xtp2-perblock", world=4, parallelism={"tp": 2, **PER_BLOCK}),
+        dict(name="fsdp4-zero1-perblock-micro1", world=4, parallelism={"zero_stage": 1, **PER_BLOCK},
+             training={"micro_batch_size": 1}),
+        dict(name="fsdp4-units2x2-deep", world=4, parallelism={"fsdp_unit_mib": 0.3}, model=DEEP),
+        dict(name="fsdp4-perblock-deep", world=4, parallelism=PER_BLOCK, model=DEEP),
     ]
 )
+# FSDP units (parallel.regroup._fsdp_groups) each layout must build: the root's, and its blocks' when
+# they hold fsdp_unit_mib.
+UNITS = {"fsdp4-none": 1, "hsdp2x2-none": 1, "fsdp4-perblock-full": 3, "hsdp2x2-perblock": 3,
+         "fsdp2xtp2-perblock": 3, "fsdp4-units2x2-deep": 3, "fsdp4-perblock-deep": 5}
+# The 4-layer model under FSDP, whatever its units, against one process: 6.2e-5 at the 10th step
+# (the tiny model's 2 layers stay under FP32_TOL), the same for a unit per block, two units of two
+# and one unit, ZeRO-2 or 3.
+DEEP_TOL = 1e-4
 # dp 4 -> 2 -> 1 (a group of one: plain tensors, no FSDP) -> 3 (padding: 8 rows over 3 ranks)
 # -> 4, handing the state over through DCP.
 SEGMENTS = [(4, 3), (2, 5), (1, 6), (3, 8), (4, STEPS)]
@@ -95,6 +114,11 @@ def ref_moe() -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
 
 
 @pytest.fixture(scope="module")
+def ref_deep() -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
+    return reference(model=DEEP)
+
+
+@pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     ckpt = tmp_path_factory.mktemp("elastic")
     payload = {
@@ -109,7 +133,7 @@ def max_diff(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
 
 
-@pytest.mark.parametrize("name", [lay["name"] for lay in LAYOUTS if "bf16" not in lay["name"]])
+@pytest.mark.parametrize("name", [lay["name"] for lay in LAYOUTS if not lay["name"].endswith(("bf16", "-deep"))])
 def test_fp32_layout_matches_single_process(
     name: str, runs: dict[str, Any], ref: Any, ref_tied: Any, ref_moe: Any
 ) -> None:
@@ -126,6 +150,21 @@ def test_fp32_layout_matches_single_process(
     for key, value in ref_weights.items():
         tol = TIED_WEIGHT_TOL if tied else WEIGHT_TOL
         torch.testing.assert_close(weights[key], value, atol=tol, rtol=0, msg=key)
+
+
+def test_blocks_in_units_of_two_match_a_unit_per_block(runs: dict[str, Any], ref_deep: Any) -> None:
+    """One all-gather and one reduce-scatter for two blocks' parameters: the same sums as two of each."""
+    grouped, per_block = runs["parity"]["fsdp4-units2x2-deep"], runs["parity"]["fsdp4-perblock-deep"]
+    assert grouped["losses"] == per_block["losses"]
+    assert grouped["grad_norms"] == per_block["grad_norms"]
+    for key, value in per_block["weights"].items():
+        assert torch.equal(grouped["weights"][key], value), key
+    assert max_diff(grouped["losses"], ref_deep[0]) <= DEEP_TOL
+
+
+@pytest.mark.parametrize("name", sorted(UNITS))
+def test_blocks_grouped_into_fsdp_units(name: str, runs: dict[str, Any]) -> None:
+    assert runs["parity"][name]["fsdp_units"] == UNITS[name]
 
 
 def test_init_is_layout_independent(runs: dict[str, Any]) -> None:

@@ -135,3 +135,8 @@ def test_fsdp_kept_across_a_fault_in_backward() -> None:
 
 def test_tp_kept_across_a_fault_in_forward() -> None:
     _check({"tp": 2}, "forward")
+
+
+def test_fsdp_unit_per_block_kept_across_a_fault_in_backward() -> None:
+    """A big model's blocks are FSDP units of their own: the fault leaves some reduced, some not."""
+    _check({"fsdp_unit_mib": 0}, "backward")

@@ -11,6 +11,8 @@ LocalCluster, in rounds, each variant once a round so a drift of the VM's share 
   shard, no snapshot the same without in-memory snapshots
   replicate          DDP over 4 ranks (dp_replicate 4), a snapshot every step
   replicate, no snap DDP without snapshots: the layout TorchFT's arm has, and no snapshot
+  shard, unit a block as `shard` with an FSDP unit per block (fsdp_unit_mib 0): how every job ran before
+                     blocks were grouped into units (parallel.layout_rules.fsdp_units)
 
 and prints each one's mean step and its ratio to TorchFT's; the last line splits our gap by the
 differences between the variants (snapshots, layout, the rest of our worker).
@@ -42,6 +44,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "shard, no snapshot": {"parallelism": SHARD, "in_memory_every": 0},
     "replicate": {"parallelism": REPLICATE, "in_memory_every": 1},
     "replicate, no snap": {"parallelism": REPLICATE, "in_memory_every": 0},
+    "shard, unit a block": {"parallelism": {**SHARD, "fsdp_unit_mib": 0}, "in_memory_every": 1},
 }
 
 

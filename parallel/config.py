@@ -335,7 +335,7 @@ class ParallelConfig(_Strict):
     fsdp_unit_mib: float = Field(
         25.0, ge=0,
         description="consecutive transformer blocks are grouped into FSDP units of at least this many MiB of "
-        "parameters (parallel.fsdp.fsdp_units): one all-gather and one reduce-scatter a unit, so a small model "
+        "parameters (parallel.layout_rules.fsdp_units): one all-gather and one reduce-scatter a unit, so a small model "
         "is not paced by a collective per block; 0: one unit per block",
     )
     sequence_parallel: bool = True

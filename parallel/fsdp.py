@@ -19,8 +19,8 @@ Units: FSDP gathers and reduces one unit's parameters with one collective each. 
 bounds the unsharded memory to a block's, but on a small model the collectives' fixed cost (a gloo
 call's latency, FSDP's hooks) outweighs their bytes: on the debug preset over 4 CPU ranks one unit per
 block made the step 1.5x a plain loop's, one unit for the model matched it. So consecutive blocks are
-grouped until a unit holds `parallelism.fsdp_unit_mib` (layout_rules.fsdp_units, the planner's rule too); blocks
-that would all make one unit join the root's, the model's only unit.
+grouped until a unit holds `parallelism.fsdp_unit_mib` (layout_rules.fsdp_units, the planner's rule
+too); blocks that would all make one unit join the root's, the model's only unit.
 
 HSDP: with dp_replicate > 1 the mesh is 2D (replicate, shard): parameters are sharded within a
 group of dp_shard*cp ranks and replicated across groups; gradients are reduce-scattered within

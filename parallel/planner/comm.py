@@ -94,9 +94,9 @@ def estimate_comm(model: ModelConfig, train: TrainConfig, layout: Layout, cluste
     n = layout.shard_group
     r = layout.dp_replicate
     # FSDP2 as the engine applies it (parallel/fsdp.py): ZeRO-3 gathers each unit (blocks grouped by
-    # layout_rules.fsdp_units, and the root) for forward and again for backward; ZeRO-1/2 gather once per micro-batch (no reshard after forward); gradients
-    # are reduce-scattered every micro-batch except under ZeRO-1 (once a step). Pipeline stages keep
-    # their weights gathered through the step.
+    # layout_rules.fsdp_units, and the root) for forward and again for backward; ZeRO-1/2 gather once
+    # per micro-batch (no reshard after forward); gradients are reduce-scattered every micro-batch
+    # except under ZeRO-1 (once a step). Pipeline stages keep their weights gathered through the step.
     stage = layout.zero_stage
     syncs = 1 if stage == 1 else m
     if n > 1:

@@ -88,5 +88,6 @@ form.addEventListener("submit", async (ev) => {
   }
 });
 
-text.value = STARTER;
+// A spec typed or pasted before this module ran (it is deferred) is kept, not replaced by the starter.
+if (!text.value) text.value = STARTER;
 schedule();

@@ -169,6 +169,11 @@ class ModelConfig(_Strict):
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
 
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """Whether block `layer_id` has experts (every `moe.every_n_layers`-th, the last of each run);
+        the model builds its blocks by it and the planner counts them by it."""
+        return self.moe is not None and layer_id % self.moe.every_n_layers == self.moe.every_n_layers - 1
+
     @property
     def ffn_dim(self) -> int:
         """The SwiGLU width, computed as Llama does when not given."""

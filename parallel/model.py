@@ -118,10 +118,6 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-def is_moe_layer(cfg: ModelConfig, layer_id: int) -> bool:
-    return cfg.moe is not None and layer_id % cfg.moe.every_n_layers == cfg.moe.every_n_layers - 1
-
-
 class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
@@ -129,7 +125,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.moe_enabled = is_moe_layer(cfg, layer_id)
+        self.moe_enabled = cfg.is_moe_layer(layer_id)
         if self.moe_enabled:
             self.feed_forward: nn.Module = MoE(cfg)
         else:

@@ -217,8 +217,7 @@ def rank_params(model: ModelConfig, layout: Layout, which: str) -> RankParams:
         dense += pc.output + pc.final_norm
     experts = moe_layers * pc.experts_per_layer / (layout.ep * t)
     moe_size = pc.layer_moe_shared + pc.experts_per_layer / layout.ep
-    every = model.moe.every_n_layers if model.moe is not None else 0
-    sizes = [(moe_size if every and i % every == every - 1 else pc.layer_dense) / t for i in range(layers)]
+    sizes = [(moe_size if model.is_moe_layer(i) else pc.layer_dense) / t for i in range(layers)]
     units = fsdp_units([s * MASTER_BYTES for s in sizes], layout.fsdp_unit_mib * 2**20)
     # Blocks in no unit are the root's: then the model is one unit, gathered whole.
     unit = max((sum(sizes[i] for i in u) for u in units), default=dense / t + experts)

@@ -77,9 +77,7 @@ def count_params(cfg: ModelConfig) -> ParamCounts:
     n_moe = 0
     num_experts, top_k, router, expert = 0, 0, 0, 0
     if cfg.moe is not None:
-        n_moe = sum(
-            1 for i in range(cfg.n_layers) if i % cfg.moe.every_n_layers == cfg.moe.every_n_layers - 1
-        )
+        n_moe = sum(1 for i in range(cfg.n_layers) if cfg.is_moe_layer(i))
         num_experts, top_k = cfg.moe.num_experts, cfg.moe.top_k
         router = h * num_experts
         expert = 3 * h * (cfg.moe.hidden_dim or cfg.ffn_dim)

@@ -25,7 +25,7 @@ from service.supervisor.context import CancelRequested, JobFailed, JobRun
 from service.supervisor.detection import Failure
 from service.supervisor.generations import GenerationEnd, Generations
 from service.supervisor.kept_notes import lines_from_workers, rows_from_workers
-from service.supervisor.pool import ReplicaPool, ReplicaState, on_lost_nodes
+from service.supervisor.pool import ReplicaPool, ReplicaState, Slot, on_lost_nodes
 from service.supervisor.recovery_clock import RecoveryTiming
 from service.supervisor.reporter import Reporter
 from service.text import plural
@@ -282,8 +282,11 @@ class Controller:
         # A pod's processes die one by one: Ray can tell of a rank's death while its node's raylet still
         # answers. So a death's node is looked at again now (one probe, not the cluster's): if it is gone,
         # the group's other ranks there are gone with it and must not be launched into the next generation.
-        on_lost = failure.slots if failure.kind == FailureKind.NODE_DIED \
-            else on_lost_nodes(failure.slots) if failure.kind == FailureKind.WORKER_DIED else []
+        on_lost: list[Slot] = []
+        if failure.kind == FailureKind.NODE_DIED:
+            on_lost = failure.slots
+        elif failure.kind == FailureKind.WORKER_DIED:
+            on_lost = on_lost_nodes(failure.slots)
         lost_nodes = {str((s.info or {}).get("node_id")) for s in on_lost}
         members = {rep.index for rep in active}
         if lost_nodes:  # the survivors are READY by now: those on a lost node are dropped with its spares

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from parallel.config import EngineConfig
+from parallel.regroup import _fsdp_groups
 from parallel.trainer import Trainer
 
 
@@ -37,8 +38,6 @@ def parity_layouts(ctx: Any, payload: dict[str, Any]) -> dict[str, Any]:
             init = trainer.full_state_dict() if lay.get("check_init") else None
             metrics = [trainer.train_step() for _ in range(cfg.training.steps)]
             full = trainer.full_state_dict()
-            from parallel.regroup import _fsdp_groups
-
             return {"losses": [m.loss for m in metrics], "grad_norms": [m.grad_norm for m in metrics],
                     "weights": full if ctx.rank == 0 else None, "init": init if ctx.rank == 0 else None,
                     "fsdp_units": len(_fsdp_groups(trainer.model))}

@@ -2,8 +2,12 @@
 
 Save side, no collectives: each rank plans ITS OWN shard with DCP's DefaultSavePlanner (local plan
 only: one WriteItem per tensor chunk it holds, with the global shape and chunk offsets), and gives
-every tensor a fixed place in one flat host buffer. The layout is computed once and reused while the
-state's structure does not change, so a snapshot is a memcpy per tensor into a reused buffer.
+every tensor a fixed place in one flat host buffer. A chunk that R ranks hold alike (a DTensor
+replicated over some mesh dims: HSDP's or DDP's replicas, TP's replicated norms) is split by rows
+among them, each storing its 1/R with its own offsets (replica_rows): a replicated layout moves one
+copy of the state a snapshot, not R, as DCP's own save keeps one. The layout is computed once and
+reused while the state's structure does not change, so a snapshot is a memcpy per tensor into a
+reused buffer.
 Non-tensor values (step, data position, scheduler) are torch.save'd into small `extras`.
 
 Load side: the layouts of all ranks of a snapshot are merged into DCP `Metadata` (what DCP's
@@ -20,7 +24,7 @@ import pickle
 import warnings
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -30,6 +34,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
+    ChunkStorageMetadata,
     MetadataIndex,
     TensorStorageMetadata,
 )
@@ -62,6 +67,9 @@ class ShardLayout:
     planner_data: Any
     total_bytes: int
     signature: tuple[Any, ...] = field(default=(), repr=False)
+    # item -> (first row, rows) of the local chunk this rank stores, where replicas split it (send side
+    # only: the item's chunk says where the rows go, all a restore needs)
+    rows: dict[int, tuple[int, int]] = field(default_factory=dict, repr=False)
 
     def to_bytes(self) -> bytes:
         slots = [
@@ -96,31 +104,74 @@ def flatten(state: dict[str, Any]) -> tuple[dict[str, Any], Any]:
     return flatten_state_dict(state)
 
 
+def replica_rows(t: DTensor, rows: int) -> tuple[int, int]:
+    """(first row, rows) of a local chunk of `rows` rows that this rank stores: the ranks that hold the
+    same chunk (they differ only in the mesh dims where `t` is Replicate) take consecutive parts of
+    its first dim, by their index among them. A part can be empty when the chunk has fewer rows than
+    replicas; the whole chunk where nothing is replicated."""
+    mesh, coord = t.device_mesh, t.device_mesh.get_coordinate()
+    index, count = 0, 1
+    for dim, placement in enumerate(t.placements):
+        if placement.is_replicate() and coord is not None:
+            index, count = index * mesh.size(dim) + coord[dim], count * mesh.size(dim)
+    first, last = rows * index // count, rows * (index + 1) // count
+    return first, last - first
+
+
+def _split_replicated(flat: dict[str, Any], items: list[WriteItem]) -> tuple[list[WriteItem], dict[int, tuple[int, int]]]:
+    """The items this rank stores, a replicated chunk narrowed to its part (replica_rows), and each
+    narrowed item's (first row, rows) by its new position. An empty part is not stored (another replica
+    stores those rows); a chunk with no rows at all stays, so every tensor is in the metadata."""
+    out: list[WriteItem] = []
+    rows_of: dict[int, tuple[int, int]] = {}
+    for item in items:
+        td, obj = item.tensor_data, flat.get(item.index.fqn)
+        whole = td.chunk.sizes[0] if td is not None and isinstance(obj, DTensor) and td.chunk.sizes else 0
+        first, rows = replica_rows(obj, whole) if whole else (0, whole)
+        if rows == whole:  # not replicated, or nothing to split
+            out.append(item)
+            continue
+        if rows == 0:
+            continue
+        assert td is not None
+        offsets = torch.Size([td.chunk.offsets[0] + first, *td.chunk.offsets[1:]])
+        chunk = ChunkStorageMetadata(offsets=offsets, sizes=torch.Size([rows, *td.chunk.sizes[1:]]))
+        rows_of[len(out)] = (first, rows)
+        out.append(replace(item, index=replace(item.index, offset=offsets),
+                           tensor_data=replace(td, chunk=chunk)))  # fmt: skip
+    return out, rows_of
+
+
 def plan_layout(state: dict[str, Any], flat: dict[str, Any] | None = None) -> ShardLayout:
     """This rank's local DCP save plan and a blob offset for each tensor item (no collectives)."""
+    flat = flat if flat is not None else flatten(state)[0]
     planner = DefaultSavePlanner()
     planner.set_up_planner(state, storage_meta=None, is_coordinator=False)
     plan = planner.create_local_plan()
+    items, rows_of = _split_replicated(flat, list(plan.items))
     slots: list[TensorSlot] = []
     byte_items: list[int] = []
     offset = 0
-    for i, item in enumerate(plan.items):
+    for i, item in enumerate(items):
         if item.type == WriteItemType.BYTE_IO:
             byte_items.append(i)
             continue
-        t = planner.resolve_data(item)
+        t = resolve(flat, item, rows_of.get(i))
         assert isinstance(t, torch.Tensor)
         nbytes = t.numel() * t.element_size()
         slots.append(TensorSlot(i, offset, nbytes, t.dtype, tuple(t.shape)))
         offset += -(-nbytes // ALIGN) * ALIGN
-    sig = _signature(flat if flat is not None else flatten(state)[0])
-    return ShardLayout(list(plan.items), slots, byte_items, plan.planner_data, offset, sig)
+    return ShardLayout(items, slots, byte_items, plan.planner_data, offset, _signature(flat), rows_of)
 
 
-def resolve(flat: dict[str, Any], item: WriteItem) -> Any:
-    """The tensor (the local shard for a DTensor) or value of one write item in a flattened state."""
+def resolve(flat: dict[str, Any], item: WriteItem, rows: tuple[int, int] | None = None) -> Any:
+    """The tensor (the local shard for a DTensor, narrowed to `rows`: (first, count) of its first dim)
+    or value of one write item in a flattened state."""
     obj = find_state_dict_object(flat, item.index)
-    return obj.detach() if isinstance(obj, torch.Tensor) else obj
+    if not isinstance(obj, torch.Tensor):
+        return obj
+    obj = obj.detach()
+    return obj if rows is None else obj.narrow(0, rows[0], rows[1])
 
 
 class StagingPlan:
@@ -154,13 +205,17 @@ class StagingPlan:
             self.layout = plan_layout(state, flat)
             self.layout_bytes = self.layout.to_bytes()
         assert self.layout is not None
-        self.sources = [resolve(flat, self.layout.items[s.item]) for s in self.layout.slots]
+        self.sources = [self._resolve(flat, s.item) for s in self.layout.slots]
         self._slots_of = {}
         for n, s in enumerate(self.layout.slots):
             self._slots_of.setdefault(self.layout.items[s.item].index.fqn, []).append(n)
         self._keys = tuple(flat)
         self._seen = [_seen_entry(v) for v in flat.values()]
         return changed
+
+    def _resolve(self, flat: dict[str, Any], item: int) -> Any:
+        assert self.layout is not None
+        return resolve(flat, self.layout.items[item], self.layout.rows.get(item))
 
     def _resolve_again(self, flat: dict[str, Any], entries: list[int]) -> None:
         """The slots of these flat entries (by position) from their new tensors, in a new sources list (a
@@ -170,7 +225,7 @@ class StagingPlan:
         for i in entries:
             key = self._keys[i]
             for slot in self._slots_of.get(key, ()):
-                sources[slot] = resolve(flat, self.layout.items[self.layout.slots[slot].item])
+                sources[slot] = self._resolve(flat, self.layout.slots[slot].item)
             self._seen[i] = _seen_entry(flat[key])
         self.sources = sources
 

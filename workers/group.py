@@ -219,8 +219,8 @@ def rendezvous(
         _released(local_store, "rdv/go", generation, rank)
         relay_store = RelayStore(local_store, timeout_s)
         return _Rendezvous(relay_store, local=local_store)
-    master = master_store if master_store is not None else pdist.make_store(
-        host, port, world_size, is_master=False, timeout_s=timeout_s)
+    master = master_store if master_store is not None else _connect_master(generation, rank, world_size, host, port,
+                                                                           timeout_s)
     if master_store is not None:
         _host(generation, host, port, [go])
     relay = NodeRelay(host, port, ident, timeout_s) if len(local) > 1 else None
@@ -258,6 +258,18 @@ def rendezvous(
     finally:
         _unhost(generation)
     return _Rendezvous(master, relay=relay)
+
+
+def _connect_master(generation: int, rank: int, world_size: int, host: str, port: int,
+                    timeout_s: float) -> dist.TCPStore:
+    """A leader's connection to the generation's master store. torch says only that a socket timed out;
+    the rank's error names the generation and the address it could not reach."""
+    try:
+        return pdist.make_store(host, port, world_size, is_master=False, timeout_s=timeout_s)
+    except Exception as e:
+        _released_or_raise(generation, rank)
+        raise TimeoutError(f"generation {generation}: rank {rank} could not reach the rendezvous master at "
+                           f"{host}:{port} within {timeout_s:g}s ({type(e).__name__})") from e
 
 
 def _released_or_raise(generation: int, rank: int) -> None:

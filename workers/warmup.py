@@ -24,7 +24,9 @@ def import_engine() -> None:
 def _import_engine() -> None:
     import torch
 
+    import checkpointing.peer_heal  # noqa: F401
     import checkpointing.persistent  # noqa: F401
+    import checkpointing.snapshot  # noqa: F401  (the tiers' and the restore's: ~25 ms, in every new rank)
     import parallel.trainer  # noqa: F401
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -80,6 +82,26 @@ def warm_step(cfg: Any, device: Any) -> bool:
     solo.data = solo.data.model_copy(update={"eval": None})
     Trainer(solo, device=device).train_step()
     return True
+
+
+def open_checkpoint_store(ckpt_cfg: Any, root: str) -> str | None:
+    """Open the job's checkpoint store once, at a low priority. A process's first S3 client costs about
+    0.28 s of CPU (boto3's import, botocore's service models); a worker that joins a generation later (a
+    replacement, a spare, a grow-back) paid it in its tiers, after the rendezvous and before the restore,
+    while every other rank waited for it in the restore's agreement. The client is kept per process and
+    settings (checkpointing.storage_s3), so the generation's CheckpointManager gets this one. Returns why
+    the store could not be opened (the start-up probe and the tiers report it where it matters), else None."""
+
+    def body() -> None:
+        from checkpointing.uri import open_store
+
+        open_store(root, ckpt_cfg.s3)
+
+    try:
+        at_low_priority(body, "store")
+    except Exception as e:  # noqa: BLE001 - said by the probe and the tiers, with their context
+        return f"{type(e).__name__}: {e}"[:500]
+    return None
 
 
 def freeze_heap() -> None:

@@ -50,7 +50,7 @@ from workers.protocol import (
     StepReport,
 )
 from workers.train_loop import LoopHooks, train
-from workers.warmup import freeze_heap, import_engine, warm_up
+from workers.warmup import freeze_heap, import_engine, open_checkpoint_store, warm_up
 from workers.worker_tiers import Tiers, checkpoint_root, is_collective_error
 from workers.zygote import CLIENT_ENV, FORKED_ENV
 
@@ -145,12 +145,16 @@ class Worker:
 
     def warm(self) -> dict[str, Any]:
         """Get ready outside any group, then answer `info` (the pool calls this once, at start): open the
-        job's data (tokenized once per process, cached: parallel.data.corpus) and build the model on the
-        meta device (its code imported and traced once), so a spare that joins a generation later only
-        forms the group, shards and restores. A problem here is left to the start-up probe and the
+        job's data (tokenized once per process, cached: parallel.data.corpus), build the model on the
+        meta device (its code imported and traced once) and open its checkpoint store (an S3 client is
+        made once per process), so a spare that joins a generation later only forms the group, shards and
+        restores. A problem here is left to the start-up probe and the
         generation's own build to report with their reasons; `warm` in the answer says what happened."""
         t0 = time.perf_counter()
         warmed = warm_up(self.cfg, self._device(0))
+        store_error = open_checkpoint_store(self.ckpt_cfg, checkpoint_root(self.ckpt_cfg, self.opts.output_dir))
+        if store_error is not None:
+            warmed["store_error"] = store_error
         freeze_heap()
         warmed["seconds"] = round(time.perf_counter() - t0, 3)
         return {**self.info(), "warm": warmed}

@@ -12,19 +12,28 @@ from typing import Any
 
 # Two "nodes" on this machine: rank 0 alone, ranks 1, 2, 3 together (rank 1 leads them).
 LAYOUT = [[0], [1, 2, 3]]
+# Generation 3 times out (rank 3 never comes); long enough for rank 2 to reach its leader on a loaded machine.
+GEN3_TIMEOUT_S = 6.0
 
 
 def _node_of(rank: int, layout: list[list[int]]) -> list[int]:
     return next(n for n in layout if rank in n)
 
 
-def _join(gen: int, rank: int, world: int, port: int, layout: list[list[int]] | None, timeout_s: float) -> Any:
+def _master(rank: int, world: int, port: int, timeout_s: float) -> Any:
+    """Rank 0's master store of a generation (the supervisor's, in a job); None on the other ranks."""
+    from parallel import dist as pdist
+
+    return pdist.make_store("127.0.0.1", port, world, is_master=True, timeout_s=timeout_s) if rank == 0 else None
+
+
+def _join(gen: int, rank: int, world: int, port: int, layout: list[list[int]] | None, timeout_s: float,
+          master: Any = None) -> Any:
     import torch
 
-    from parallel import dist as pdist
     from workers.group import join_group
 
-    master = pdist.make_store("127.0.0.1", port, world, is_master=True, timeout_s=timeout_s) if rank == 0 else None
+    master = master if master is not None else _master(rank, world, port, timeout_s)
     return join_group(gen, rank, world, "127.0.0.1", port, device=torch.device("cpu"), timeout_s=timeout_s,
                       master_store=master, local_ranks=_node_of(rank, layout) if layout else None)
 
@@ -83,6 +92,9 @@ def reform(rank: int, world: int, ports: list[int], out: str) -> None:
             group.leave_group()
             result["left"] = True
         else:
+            # Generation 3's master listens before anyone looks for it, as the supervisor's does: a leader
+            # that came first would otherwise count its wait for the master against the arrival timeout.
+            master3 = _master(rank, world, ports[3], timeout_s=GEN3_TIMEOUT_S)
             info = _join(1, rank, 3, ports[1], [[0], [1, 2]], timeout_s=60)
             result["gen1_kind"] = info.rendezvous
             result["gen1_sum"] = _sum(3)
@@ -90,7 +102,7 @@ def reform(rank: int, world: int, ports: list[int], out: str) -> None:
             result["gen2_kind"] = info.rendezvous
             result["gen2_sum"] = _sum(3)
             try:
-                _join(3, rank, world, ports[3], LAYOUT, timeout_s=3)  # rank 3 never comes
+                _join(3, rank, world, ports[3], LAYOUT, timeout_s=GEN3_TIMEOUT_S, master=master3)  # rank 3 never comes
                 result["gen3"] = "joined"
             except Exception as e:  # noqa: BLE001 - the expected failure, reported to the test
                 result["gen3"] = f"{type(e).__name__}: {e}"
@@ -141,7 +153,7 @@ def lost_while_connecting(rank: int, world: int, port: int, out: str, tree: bool
 
             threading.Thread(target=abort_after_loss, daemon=True).start()
         try:
-            _join(0, rank, world, port, [[0], list(range(1, world))] if tree else None, timeout_s=30)
+            _join(0, rank, world, port, [[0], list(range(1, world))] if tree else None, timeout_s=60)
             result["joined"] = True
         except Exception as e:  # noqa: BLE001 - the outcome under test
             result["error"] = f"{type(e).__name__}: {e}"

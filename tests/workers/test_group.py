@@ -59,7 +59,7 @@ def test_two_level_rendezvous_forms_reforms_and_names_the_missing() -> None:
 def test_a_rank_lost_while_the_mesh_connects_is_not_waited_for(tree: bool) -> None:
     """Past the arrival barrier, gloo's mesh waits in the store for every rank's address. A rank lost
     there held the others for the whole timeout (10.5 s of a recovery in goodput_bench). The abort cuts
-    the join's connections: they leave with RendezvousAborted at once, not after the 30 s timeout."""
+    the join's connections: they leave with RendezvousAborted at once, not after the 60 s timeout."""
     world = 3
     with tempfile.TemporaryDirectory() as out:
         mp.start_processes(group_ranks.lost_while_connecting, args=(world, free_port(), out, tree), nprocs=world,
@@ -67,7 +67,7 @@ def test_a_rank_lost_while_the_mesh_connects_is_not_waited_for(tree: bool) -> No
         res = [pickle.loads(Path(out, f"{r}.pkl").read_bytes()) for r in range(world - 1)]
     assert not [x["crash"] for x in res if "crash" in x], res
     for x in res:
-        # Each survivor leaves within seconds of the loss (the abort comes 1 s after it), not at the 30 s
+        # Each survivor leaves within seconds of the loss (the abort comes 1 s after it), not at the 60 s
         # timeout: with RendezvousAborted ("... while rank R was connecting to its peers", the cut; on a
         # loaded machine a rank may see the abort before it reaches gloo's connect, and leaves as promptly),
         # or with its store connection closed under it, when rank 0's abort, which cuts the store server's
@@ -76,5 +76,20 @@ def test_a_rank_lost_while_the_mesh_connects_is_not_waited_for(tree: bool) -> No
         error = x.get("error", "")
         assert error.startswith("RendezvousAborted: generation 0 was aborted") or (
             error.startswith("DistNetworkError") and "Connection was likely closed" in error), x
-        assert x["left_after_loss_s"] < 6, x
+        # Seconds on an idle machine; CI's loaded two cores took 6.6 s once (5.4 s after the abort).
+        assert x["left_after_loss_s"] < 20, x
     assert any(x["error"].startswith("RendezvousAborted") for x in res), res
+
+
+def test_a_master_out_of_reach_is_named_with_its_address() -> None:
+    """A rank that cannot reach the generation's master says which generation and address, not only that
+    a socket timed out (torch's words), and still reads as a broken group to the supervisor."""
+    from workers.group import rendezvous
+    from workers.worker_tiers import is_collective_error
+
+    port = free_port()  # nobody listens there
+    with pytest.raises(TimeoutError) as e:
+        rendezvous(7, 1, 2, "127.0.0.1", port, timeout_s=0.5)
+    assert f"generation 7: rank 1 could not reach the rendezvous master at 127.0.0.1:{port} within 0.5s" \
+        in str(e.value)
+    assert is_collective_error(e.value)

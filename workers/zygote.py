@@ -125,9 +125,10 @@ def _preload() -> None:
 
     import_engine()  # on a low-priority thread: the zygote may start beside training ranks
     # Ray's module too (~0.3 CPU-s a worker), imported and never initialized: it starts no thread, and
-    # what it reads from the environment at import is the same for every worker of its key on this node
-    # (the zygote's environment is its first client's; the key covers what a job sets). Not our worker
-    # module: importing it starts a thread.
+    # what it reads from the environment at import is the same for every worker this zygote serves (the
+    # zygote's environment is its first client's; the key covers what a job sets, the socket's name the
+    # node and the Ray job, whose id Ray's core library keeps from its load). Not our worker module:
+    # importing it starts a thread.
     at_low_priority(_import_ray, "import")
     gc.collect()
     gc.freeze()  # the children's collections leave these pages unwritten (copy-on-write kept)
@@ -224,10 +225,11 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--key", required=True)
     ap.add_argument("--node-id", default="")
+    ap.add_argument("--ray-job", default="")
     ap.add_argument("--raylet-pid", type=int, default=0)
     ap.add_argument("--idle-s", type=float, default=IDLE_S)
     args = ap.parse_args(argv)
-    sys.exit(serve(socket_name(args.key, args.node_id), args.raylet_pid, args.idle_s))
+    sys.exit(serve(socket_name(args.key, args.node_id, args.ray_job), args.raylet_pid, args.idle_s))
 
 
 if __name__ == "__main__":

@@ -32,10 +32,15 @@ CONNECT_WAIT_S = 10.0  # a zygote started now binds its name within this (its im
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 
-def socket_name(key: str, node_id: str) -> str:
+def socket_name(key: str, node_id: str, ray_job: str) -> str:
     """The zygote's address: an abstract Unix socket (no file to clean up) named by its key (env_key), the
-    Ray node and the user, so the workers of each key on each node share one zygote."""
-    digest = hashlib.sha1(f"{key}\0{node_id}\0{os.getuid()}".encode()).hexdigest()[:20]
+    Ray node, the Ray job and the user, so the workers of each key on each node share one zygote per Ray
+    job. Per Ray job because Ray's core library, which the zygote loads before it forks, keeps the job id
+    it was loaded under (RAY_JOB_ID): a worker forked for another job registered as the zygote's first
+    job's, and once that job's driver had exited (an `unbroken serve` restarted) the raylet ended each new
+    worker as it registered, so no later job's workers ever started. The jobs one driver launches share
+    one Ray job: those of one `unbroken serve` process share the zygotes."""
+    digest = hashlib.sha1(f"{key}\0{node_id}\0{ray_job}\0{os.getuid()}".encode()).hexdigest()[:20]
     return f"\0unbroken-zygote/{digest}"
 
 
@@ -94,25 +99,25 @@ def _log_path(key: str, rest: list[str]) -> str:
     return os.path.join(logs, f"unbroken-zygote-{key}-{_arg(rest, '--node-id')[:12]}.log")
 
 
-def _start_zygote(key: str, node_id: str, log: str) -> subprocess.Popen[bytes]:
+def _start_zygote(key: str, node_id: str, ray_job: str, log: str) -> subprocess.Popen[bytes]:
     """A zygote for this key on this node, in a process group of its own (Ray ends a worker by killing its
     group: this client's) but in the node's session, where whoever manages the node's processes finds it."""
     with open(os.devnull, "rb") as devnull, open(log, "ab") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "workers.zygote", "--key", key, "--node-id", node_id,
+            [sys.executable, "-m", "workers.zygote", "--key", key, "--node-id", node_id, "--ray-job", ray_job,
              "--raylet-pid", os.environ.get("RAY_RAYLET_PID", "0")],
             stdin=devnull, stdout=out, stderr=out, process_group=0, close_fds=True,
         )
 
 
 def _zygote(key: str, rest: list[str]) -> socket.socket | None:
-    node_id = _arg(rest, "--node-id")
-    name = socket_name(key, node_id)
+    node_id, ray_job = _arg(rest, "--node-id"), os.environ.get("RAY_JOB_ID", "")
+    name = socket_name(key, node_id, ray_job)
     s = _connect(name)
     if s is not None:
         return s
     try:
-        proc = _start_zygote(key, node_id, _log_path(key, rest))
+        proc = _start_zygote(key, node_id, ray_job, _log_path(key, rest))
     except OSError:
         return None
     deadline = time.monotonic() + CONNECT_WAIT_S

@@ -106,6 +106,23 @@ def test_a_signal_to_the_client_reaches_its_worker(worker_py: Path, tmp_path: Pa
             _stop_zygote(zygote)
 
 
+def test_each_ray_job_gets_its_own_zygote(worker_py: Path, tmp_path: Path) -> None:
+    """Ray's core library, loaded in the zygote before it forks, keeps the Ray job id it was loaded under:
+    workers of another Ray job (the jobs of an `unbroken serve` started again) are forked from a zygote of
+    their own, those of one Ray job share one."""
+    cmd = command(f"test-{uuid.uuid4().hex[:8]}")
+    zygotes: list[int] = []
+    try:
+        for job in ("01000000", "01000000", "03000000"):
+            code, seen, err, _ = _run(cmd, worker_py, tmp_path, RAY_JOB_ID=job)
+            assert code == 0 and seen["forked"], err
+            zygotes.append(int(seen["forked"]))
+        assert zygotes[0] == zygotes[1] != zygotes[2], zygotes
+    finally:
+        for z in set(zygotes):
+            _stop_zygote(z)
+
+
 def test_without_a_zygote_the_client_becomes_the_worker(worker_py: Path, tmp_path: Path) -> None:
     """A Python without our package cannot start a zygote: the client runs the worker itself (exec)."""
     system = shutil.which("python3", path="/usr/bin:/bin")

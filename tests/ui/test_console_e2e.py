@@ -217,6 +217,9 @@ def test_console_end_to_end(browser: Any, cluster: LocalCluster, tmp_path: Path)
 
         nav(page, "Plan")
         expect(page.locator("#candidates tbody tr").first).to_be_visible(timeout=30_000)
+        # The shape's defaults come with the page (no script sets them after the user could change them).
+        expect(page.locator("#plan-gpus")).to_have_value("8")
+        expect(page.locator("#plan-gpu")).to_have_value("h100")
         page.screenshot(path=str(shots / "plan.png"), full_page=True)
 
         # 5. Log out: the pages send us to the login page, and the old cookie opens nothing.

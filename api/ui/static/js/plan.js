@@ -92,7 +92,7 @@ async function run() {
 }
 
 form.addEventListener("submit", (ev) => { ev.preventDefault(); run(); });
-text.value = STARTER;
-document.getElementById("plan-gpus").value = "8";
-document.getElementById("plan-gpu").value = "h100";
+// The shape's defaults are in the page itself; the starter fills only an empty editor, so what was
+// typed before this deferred module ran is kept (as on the submit page).
+if (!text.value) text.value = STARTER;
 run();

@@ -17,6 +17,13 @@ from service.supervisor.words import SOURCE_WORDS, fmt_s
 from service.text import plural
 
 
+def slowest_phases(notes: list[Any]) -> dict[str, float]:
+    """Where a re-form went on the ranks (join, build, tiers, restore and its parts), from their `formed`
+    notes: each phase's slowest rank, the one the others waited for."""
+    keys = sorted({k for m in notes for k in m.timings})
+    return {k: round(max(float(m.timings.get(k, 0.0)) for m in notes), 4) for k in keys}
+
+
 @dataclass
 class RecoveryTiming:
     """A recovery in progress, until its generation completes a step (then: one `recovered` event)."""
@@ -123,9 +130,7 @@ class RecoveryClock:
         with self.run.lock:
             formed = dict(self.run.formed)
         t_formed = max((m.time for m in formed.values()), default=now)
-        # Where the re-form went on the ranks (join, build, tiers, restore and its parts): the slowest rank's.
-        phases = {k: max(float(m.timings.get(k, 0.0)) for m in formed.values())
-                  for k in sorted({k for m in formed.values() for k in m.timings})}
+        phases = slowest_phases(list(formed.values()))
         restore_s = phases.get("restore_s", 0.0)
         restored = min((int(m.restored.get("step", 0)) for m in formed.values()), default=0)
         # How far the failed generation got: what we heard, or further where a survivor trained a step
@@ -169,7 +174,7 @@ class RecoveryClock:
             generation=rec.generation, kind=rec.kind, restored_step=restored, source=sources,
             last_step=rec.last_step, lost_steps=lost,
             detect_s=detect_s, reform_s=reform_s, restore_s=restore_s, replay_s=replay_s, total_s=total,
-            rank_phases={k: round(v, 4) for k, v in phases.items()},
+            rank_phases=phases,
             first_step=row["step"], fallback_reason=fallback[0] if fallback else None, in_place_ranks=kept,
             interrupted=rec.interrupted, pause_s=self._pause,
         )

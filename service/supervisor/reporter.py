@@ -15,7 +15,7 @@ from typing import Any
 from service.state_machine import STORE_STATUS, JobState
 from service.supervisor.context import JobRun
 from service.supervisor.pauses import Pause, PauseClock
-from service.supervisor.recovery_clock import RecoveryClock
+from service.supervisor.recovery_clock import RecoveryClock, slowest_phases
 from service.supervisor.store_writer import StoreWriter
 from service.supervisor.words import first_line
 from workers import telemetry
@@ -257,9 +257,13 @@ class Reporter:
         telemetry.record_pause(self.run.job_id, p.cause, p.seconds)
         if self.recoveries.take_pause(p):
             return
+        # Where the pause went on the ranks, as a recovery's event says it: from the `formed` notes that
+        # came (sent before a rank's first step; rarely one is still on its way when the row comes).
+        with self.run.lock:
+            formed = [m for m in self.run.formed.values() if m.generation == p.generation]
         self.event("resumed", f"Training resumed at dp={p.dp} with step {p.step}, after a pause of {p.seconds:.2f}s "
                    f"({p.cause}).", generation=p.generation, cause=p.cause, pause_s=round(p.seconds, 4), dp=p.dp,
-                   step=p.step)
+                   step=p.step, rank_phases=slowest_phases(formed))
 
     def export_heartbeat_ages(self, slots: list[Any], hbs: dict[str, tuple[float, Note]],
                               now: float) -> None:  # fmt: skip

@@ -11,6 +11,7 @@ from service.spec import JobSpec
 from service.supervisor import reporter as reporter_mod
 from service.supervisor.context import JobRun
 from service.supervisor.reporter import Reporter
+from workers.protocol import Formed
 
 
 def _reporter(tmp_path: Path, restarted: bool = False) -> tuple[JobRun, Reporter]:
@@ -71,8 +72,15 @@ def test_a_restarted_supervisor_measures_the_first_pause_from_the_rows_written_b
     told: list[tuple[str, dict[str, Any]]] = []
     rep.event = lambda kind, message, **data: told.append((kind, data))  # type: ignore[method-assign]
     rep.pauses.formed_for(1, "growth")
+    # The grown generation's ranks said where their part of the pause went; an older one's note is not its.
+    run.formed = {
+        "w0": Formed("w0", 1, 0, 103.0, step=2, restored={}, timings={"join_s": 0.02, "tiers_s": 0.27}),
+        "w1": Formed("w1", 1, 1, 103.0, step=2, restored={}, timings={"join_s": 0.05, "tiers_s": 0.03}),
+        "w2": Formed("w2", 0, 0, 90.0, step=0, restored={}, timings={"join_s": 9.0}),
+    }
     run.pending_rows[3] = {**_row(3), "generation": 1, "dp": 2, "end_time": 104.0, "step_time_s": 0.5}
     rep.flush_metrics()
     rep.close_outputs()
     resumed = [d for k, d in told if k == "resumed"]
-    assert resumed == [{"generation": 1, "cause": "growth", "pause_s": 1.5, "dp": 2, "step": 3}], told
+    assert resumed == [{"generation": 1, "cause": "growth", "pause_s": 1.5, "dp": 2, "step": 3,
+                        "rank_phases": {"join_s": 0.05, "tiers_s": 0.27}}], told

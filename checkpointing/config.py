@@ -5,7 +5,7 @@ Plain pydantic, no torch, so the SDK can validate a job's `checkpoint` section.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 
 class S3Config(BaseModel):
@@ -21,6 +21,22 @@ class S3Config(BaseModel):
     part_size_mb: int = Field(8, ge=5, description="multipart part size (S3 minimum is 5 MiB)")
     max_attempts: int = Field(5, ge=1, description="retries with exponential backoff")
     read_timeout_s: float = Field(30.0, gt=0)
+
+    @field_validator("endpoint_url")
+    @classmethod
+    def _endpoint(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("http://", "https://")):
+            raise ValueError(f"endpoint_url {v!r} must start with http:// or https:// (e.g. http://127.0.0.1:8333)")
+        return v
+
+    @model_validator(mode="after")
+    def _key_pair(self) -> S3Config:
+        if (self.access_key_id is None) != (self.secret_access_key is None):
+            given, missing = ("access_key_id", "secret_access_key") if self.secret_access_key is None else (
+                "secret_access_key", "access_key_id")
+            raise ValueError(f"{given} is set without {missing}: set both, or neither (then boto3's standard "
+                             "credential chain is used)")
+        return self
 
 
 class CheckpointConfig(BaseModel):

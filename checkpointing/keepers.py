@@ -237,6 +237,14 @@ def drop_job(keepers: dict[str, ActorHandle], job_id: str) -> int:
     return int(sum(results.values()))
 
 
+def keepers_holding(job_id: str, skip: Collection[str] = ()) -> dict[str, ActorHandle]:
+    """The cluster's keepers (but those of `skip`) that hold some of the job's shards. Only those: a drop
+    also empties a keeper's reuse pool, which other jobs' snapshots on that node would miss."""
+    others = {n: h for n, h in find_keepers().items() if n not in skip}
+    held = memory_reports(others, timeout_s=10.0) if others else {}
+    return {n: others[n] for n, rep in held.items() if job_id in rep.get("jobs", {})}
+
+
 def memory_reports(keepers: dict[str, ActorHandle], timeout_s: float = 30.0) -> dict[str, dict[str, Any]]:
     """{node: Keeper.memory_report()} of every live keeper (those answering within timeout_s)."""
     return _call_all(keepers, "memory_report", timeout_s=timeout_s)[0]

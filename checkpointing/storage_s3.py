@@ -71,14 +71,9 @@ class S3Store(ObjectStore):
                 kwargs["endpoint_url"] = cfg.endpoint_url
             if cfg.region:
                 kwargs["region_name"] = cfg.region
-            if cfg.access_key_id is not None and cfg.secret_access_key is not None:
+            if cfg.access_key_id is not None and cfg.secret_access_key is not None:  # (both or neither: S3Config)
                 kwargs["aws_access_key_id"] = cfg.access_key_id.get_secret_value()
                 kwargs["aws_secret_access_key"] = cfg.secret_access_key.get_secret_value()
-            elif (cfg.access_key_id is None) != (cfg.secret_access_key is None):
-                raise ValueError(
-                    "checkpoint.s3: set both access_key_id and secret_access_key, or neither "
-                    "(then boto3's standard credential chain is used)"
-                )
             client = _client(kwargs, bc, cfg)
         self.client = client
         part = cfg.part_size_mb * _MiB

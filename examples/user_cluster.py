@@ -133,18 +133,7 @@ class RayStartCluster:
         self._head_args = ["--head", f"--port={self.port}", f"--temp-dir={self.temp}",
                            f"--dashboard-port={free_port()}", "--include-dashboard=false",
                            f"--ray-client-server-port={free_port()}", *_flags(head)]
-        self._start("head", self._head_args, env=self.head_env)
-        try:
-            self.address = self._head_address()
-        except AssertionError:  # a start that timed out on a loaded machine: once more, on the same port
-            self.kill_head()
-            self.sids.pop(0)
-            self.procs.pop(0)
-            (Path(self.temp) / "ray_current_cluster").unlink(missing_ok=True)
-            self._start("head-retry", self._head_args, env=self.head_env)
-            self.sids.insert(0, self.sids.pop())
-            self.procs.insert(0, self.procs.pop())
-            self.address = self._head_address()
+        self._start_head("head")
 
     def kill_head(self) -> None:
         """SIGKILL every process of the head node (GCS, raylet, agents): the head pod dies."""
@@ -161,23 +150,42 @@ class RayStartCluster:
     def restart_head(self) -> None:
         """Start the head again on the same address (the restarted pod): with GCS fault tolerance the new
         GCS loads the cluster's tables from Redis and the other nodes reconnect to it."""
-        (Path(self.temp) / "ray_current_cluster").unlink(missing_ok=True)
-        self._start("head-restarted", self._head_args, env=self.head_env)
-        self.procs.insert(0, self.procs.pop())  # procs[0] and sids[0] are the live head's
-        self.sids.insert(0, self.sids.pop())
-        self.address = self._head_address()
+        self._start_head("head-restarted", replaces=True)
 
-    def _head_address(self, timeout: float = 180.0) -> str:
-        """The head's address as `ray start` wrote it (the machine's address and our port)."""
+    def _start_head(self, name: str, *, replaces: bool = False) -> None:
+        """Start the head (`replaces`: in place of a killed one, as procs[0] and sids[0]) and wait for its
+        address; a start that fails or times out on a loaded machine is tried once more on the same ports.
+        The error carries every try's log."""
+        logs = []
+        for attempt in range(2):
+            log_name = name if attempt == 0 else f"{name}-retry"
+            logs.append(log_name)
+            if replaces:
+                (Path(self.temp) / "ray_current_cluster").unlink(missing_ok=True)
+            self._start(log_name, self._head_args, env=self.head_env)
+            if replaces:  # procs[0] and sids[0] are the live head's
+                self.procs.insert(0, self.procs.pop())
+                self.sids.insert(0, self.sids.pop())
+            if self._head_address_written():
+                return
+            self.kill_head()  # whatever of this try still runs, before the next one binds the same ports
+            replaces = True  # the next try takes this one's place
+        tails = "\n".join(f"--- {n}.log\n{(Path(self.temp) / f'{n}.log').read_text()[-2000:]}" for n in logs)
+        raise AssertionError(f"ray start --head did not come up, {len(logs)} tries:\n{tails}")
+
+    def _head_address_written(self, timeout: float = 180.0) -> bool:
+        """Wait for the head's address as `ray start` writes it (the machine's address and our port) and take
+        it; False if its `ray start` exited first or the time ran out."""
         f = Path(self.temp) / "ray_current_cluster"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if f.exists() and f.read_text().strip():
-                return f.read_text().strip().splitlines()[0]
+                self.address = f.read_text().strip().splitlines()[0]
+                return True
             if self.procs[0].poll() is not None:
-                break
+                return False
             time.sleep(0.5)
-        raise AssertionError(f"ray start --head did not come up: {(Path(self.temp) / 'head.log').read_text()[-2000:]}")
+        return False
 
     def _start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
         log = open(Path(self.temp) / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process

@@ -20,6 +20,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from service import sizing
@@ -34,7 +35,7 @@ from service.scheduling.admission import (  # noqa: F401 - the scheduler's polic
 )
 from service.scheduling.snapshot import JobView, Snapshot, add
 from service.statuses import CANCELLED, FAILED, PENDING
-from service.store import JobRecord, JobStore
+from service.store import JobNotFoundError, JobRecord, JobStore
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +120,7 @@ class Scheduler:
         self._lease = store.leader_lease()
         self.leading = False
         self._last_wait_reason: dict[str, str] = {}
+        self._unreadable_ids: set[str] = set()  # admitted jobs whose stored spec does not validate (told once)
         self._last_liveness = 0.0
         self.handles: dict[str, Any] = {}
         self._active_ids: set[str] = set()
@@ -195,14 +197,17 @@ class Scheduler:
             if not queue_recs and not active:
                 self.demand.update([])
                 return []  # an idle store: no Ray call
-            specs = {rec.id: _spec_of(rec) for rec in active}
+            specs = self._readable(active, _spec_of)
+            active = [rec for rec in active if rec.id in specs]
             total = self.cluster.total()
             running = [running_view(rec, specs[rec.id], total) for rec in active]
             if not queue_recs and not any(j.target < j.dp_max for j in running):
                 if not any(j.dp == 0 for j in running):  # held while a job admitted onto new nodes starts
                     self.demand.update([])
                 return []
-            specs.update({rec.id: self.store.get_spec(rec.id) for rec in queue_recs})
+            queued_specs = self._readable(queue_recs, lambda rec: self.store.get_spec(rec.id))
+            queue_recs = [rec for rec in queue_recs if rec.id in queued_specs]
+            specs.update(queued_specs)
             reserved: dict[str, float] = {}
             for j in running:
                 reserved = add(reserved, j.demand(j.held))
@@ -231,6 +236,36 @@ class Scheduler:
                     started.append(job_id)
             self.demand.update(autoscaler.queued_demand(snap, plan))
             return started
+
+    def _readable(self, recs: list[JobRecord], read: Callable[[JobRecord], Any]) -> dict[str, Any]:
+        """{job id: spec} of the jobs whose stored spec reads. A spec stored by an older version may not
+        validate under this one's rules: that job, not the whole pass, is set aside (`_unreadable`). A job
+        deleted since it was listed is left out."""
+        from pydantic import ValidationError
+
+        from parallel.config import format_validation_error
+
+        specs: dict[str, Any] = {}
+        for rec in recs:
+            try:
+                specs[rec.id] = read(rec)
+            except JobNotFoundError:
+                continue
+            except ValidationError as e:
+                self._unreadable(rec, format_validation_error(e).replace("\n", "; "))
+        return specs
+
+    def _unreadable(self, rec: JobRecord, problems: str) -> None:
+        """A queued job whose stored spec no longer validates fails, naming the fields: it could not start
+        as stored. One already admitted runs on at its size (its supervisor holds the spec it started
+        with), outside this scheduler's sharing; its event says so once."""
+        why = f"its stored job spec does not validate under this version of Unbroken ({problems})"
+        if rec.admitted_at is None and rec.status == PENDING:
+            self.store.set_status(rec.id, FAILED, f"{why}: resubmit the job with those fields fixed")
+        elif rec.id not in self._unreadable_ids:
+            self._unreadable_ids.add(rec.id)
+            self.store.add_event(rec.id, "spec_unreadable", f"{why}: it runs on at its current size, and is neither "
+                                 "shrunk nor grown while the scheduler shares the cluster")
 
     def _resize(self, r: policies.Resize) -> None:
         """Ask a running job's supervisor to run at r.new from its next snapshot boundary on."""
@@ -303,9 +338,7 @@ class Scheduler:
                     outcome[rec.id] = "unknown"  # Ray did not answer: decide on a later liveness pass
                     continue
                 if handle is None:
-                    self.store.set_status(
-                        rec.id, FAILED, "its supervisor was gone when the control plane restarted"
-                    )
+                    self._fail_lost(rec.id, "its supervisor was gone when the control plane restarted")
                     outcome[rec.id] = "failed"
                     continue
                 self.handles[rec.id] = handle
@@ -327,10 +360,31 @@ class Scheduler:
             if handle is None:
                 fresh = self.store.get_job(rec.id)
                 if fresh is not None and not fresh.terminal:
-                    self.store.set_status(rec.id, FAILED, "its supervisor actor died")
+                    self._fail_lost(rec.id, "its supervisor actor died")
                     lost.append(rec.id)
                 self.handles.pop(rec.id, None)
         return lost
+
+    def _fail_lost(self, job_id: str, why: str) -> None:
+        """A job whose supervisor is gone for good fails with `why`, and what it left in the cluster (its
+        detached workers, node agents and placement groups, its snapshots on the keepers) is released on a
+        thread of its own (a keeper may be slow to answer; the pass goes on). Without the release they would
+        hold the cluster's resources for good."""
+        self.store.set_status(job_id, FAILED, why)
+
+        def release() -> None:
+            from service.supervisor.leftovers import release_leftovers
+
+            try:
+                got = release_leftovers(job_id, self.namespace)
+            except Exception:
+                log.exception("releasing what job %s left in the cluster failed", job_id)
+                return
+            self.store.add_event(job_id, "released", f"What its lost supervisor left in the cluster was released: "
+                                 f"{got['actors and groups']} workers, node agents and placement groups, and "
+                                 f"{got['keeper bytes'] / 2**20:.1f} MiB of snapshots on the keepers.", got)
+
+        threading.Thread(target=release, name=f"release-{job_id}", daemon=True).start()
 
 
 def _replica(spec: Any) -> tuple[dict[str, float], int]:

@@ -40,3 +40,25 @@ class ControlPlane:
         self.server.stop()
         self.scheduler.stop()
         self.store.close()
+
+
+def store_as_an_older_version_did(db: str, job_id: str, s3: dict[str, Any]) -> None:
+    """Rewrite a stored job's spec with a checkpoint.s3 section this version refuses and older ones stored
+    (an upgrade of the service finds such rows): straight into the table, as an older version wrote it."""
+    import json
+
+    from sqlalchemy import update
+
+    from service.models import Job
+    from service.store import JobStore
+
+    store = JobStore(db)
+    try:
+        with store.engine.begin() as conn:
+            for col in (Job.spec_json, Job.spec_public):
+                raw = conn.execute(Job.__table__.select().where(Job.id == job_id)).mappings().one()[col.key]
+                data = json.loads(raw)
+                data["checkpoint"]["s3"] = s3
+                conn.execute(update(Job).where(Job.id == job_id).values({col.key: json.dumps(data)}))
+    finally:
+        store.close()

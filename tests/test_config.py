@@ -29,6 +29,12 @@ def test_preset_then_override() -> None:
         ({"data": {"kind": "text"}}, "needs data.path"),
         ({"parallelism": {"pp": 4, "pp_microbatches": 2}}, "pp_microbatches=2 must be >= pp=4"),
         ({"checkpoint": {"uri": "ftp://x"}}, "must start with file:// or s3://"),
+        ({"checkpoint": {"s3": {"access_key_id": "AKIA1"}}},
+         "checkpoint.s3: access_key_id is set without secret_access_key: set both, or neither"),
+        ({"checkpoint": {"s3": {"secret_access_key": "s3cr3t-only"}}},
+         "checkpoint.s3: secret_access_key is set without access_key_id"),
+        ({"checkpoint": {"s3": {"endpoint_url": "127.0.0.1:8333"}}},
+         "checkpoint.s3.endpoint_url: endpoint_url '127.0.0.1:8333' must start with http:// or https://"),
         ({"resources": {"dp": {"min": 4, "max": 2}}}, "dp.max=2 is below dp.min=4"),
         ({"chaos": [{"kind": "explode", "step": 3}]}, "chaos.0.kind"),
         ("- a\n- b\n", "a job is a mapping of sections"),
@@ -43,6 +49,12 @@ def test_bad_specs_name_the_field(body: object, expected: str) -> None:
 
 def test_parallelism_auto_string() -> None:
     assert parse_spec({"parallelism": "auto"}).parallelism.auto
+
+
+def test_a_lone_s3_secret_is_refused_without_being_echoed() -> None:
+    with pytest.raises(SpecError) as info:
+        parse_spec({"checkpoint": {"uri": "s3://b/p", "s3": {"secret_access_key": "s3cr3t-only"}}})
+    assert "s3cr3t-only" not in str(info.value)
 
 
 def test_secrets_are_masked() -> None:

@@ -20,6 +20,7 @@ The parts, one file each:
     kept_notes.py   the rows and output lines live workers kept that the supervisor lacks
     generations.py  start, watch and stop one generation; rank_of
     pool.py         the replica pool (ReplicaState) and its worker actors
+    leftovers.py    a job's detached actors, placement groups and keeper shards, found by name and released
     spares.py       the warm spares beside the group: watched, counted, told (events, gauge, rows)
     spare_watch.py  warm spares found dead, stopped or silent, dropped before a failure picks one
     upload_wait.py  a resize held while a persistent checkpoint uploads

@@ -269,15 +269,11 @@ class SnapshotCommitter:
         Not only the keepers this instance knows: a node written off (its agent fell silent, or Ray said
         it was gone) may live on with its keeper, and an instance that restarted never knew the keepers of
         nodes the job had left. Either would keep the job's shards until the keeper dies."""
-        from checkpointing.keepers import drop_job, find_keepers, memory_reports
+        from checkpointing.keepers import drop_job, keepers_holding
 
         keepers = dict(self.keepers)
         try:
-            others = {n: h for n, h in find_keepers().items() if n not in keepers}
-            # Only those holding some of the job's shards: a drop also empties a keeper's reuse pool,
-            # which other jobs' snapshots on that node would miss.
-            held = memory_reports(others, timeout_s=10.0) if others else {}
-            keepers.update({n: others[n] for n, rep in held.items() if self.run.job_id in rep.get("jobs", {})})
+            keepers.update(keepers_holding(self.run.job_id, skip=keepers))
         except Exception as e:  # noqa: BLE001 - the known keepers are still freed
             log.warning("listing the cluster's keepers failed: %s", e)
         if not keepers:

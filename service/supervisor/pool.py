@@ -29,9 +29,10 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
-from checkpointing.naming import agent_prefix, worker_name, worker_number, worker_prefix
-from service.placement import ReplicaReservation, release, release_job_groups, reserve_replica
+from checkpointing.naming import worker_name, worker_number, worker_prefix
+from service.placement import ReplicaReservation, release, reserve_replica
 from service.supervisor.context import JobRun
+from service.supervisor.leftovers import named_actors, release_job_actors
 from service.supervisor.ray_poll import ready_now
 from service.supervisor.reporter import Reporter
 from service.supervisor.words import first_line
@@ -346,18 +347,11 @@ class ReplicaPool:
                     ray.kill(s.handle, no_restart=True)
             if rep.res is not None:
                 release(rep.res)
-        with contextlib.suppress(Exception):  # and the job's node agents (service.supervisor.agents)
-            for name in self._named_workers() + self._named_workers(agent_prefix(run.job_id)):
-                with contextlib.suppress(Exception):
-                    ray.kill(ray.get_actor(name, namespace=run.namespace), no_restart=True)
-        with contextlib.suppress(Exception):
-            release_job_groups(run.job_id)
+        release_job_actors(run.job_id, run.namespace)  # and by name: its node agents, what a crashed instance started
 
     # ----------------------------------------------------------------- after a supervisor restart
-    def _named_workers(self, prefix: str | None = None) -> list[str]:
-        prefix = prefix or worker_prefix(self.run.job_id)
-        return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                if a.get("namespace") == self.run.namespace and str(a.get("name", "")).startswith(prefix)]
+    def _named_workers(self) -> list[str]:
+        return named_actors(worker_prefix(self.run.job_id), self.run.namespace)
 
     def adopt(self) -> tuple[int, list[int]]:
         """Find the job's workers by name, stop their generation, keep whole idle replicas as READY

@@ -256,16 +256,17 @@ def _lose_a_pod(tmp: Path, cluster: RayStartCluster, client: Any) -> None:
     assert client.wait(job.id, timeout=120, raise_on_failure=False).status == "CANCELLED"
     events = list(client.events(job.id, follow=False))
     failures = [e for e in events if e.kind == "failure_detected"]
-    told = [(e.kind, e.message) for e in events]
+    told = "\n".join(f"{e.kind}: {e.message}" for e in events)
     # One failure, one recovery. Ray may tell of a rank's death while the pod's raylet still answers
-    # (its processes die one by one): then the failure is that rank's, and its node is found gone before
-    # the group re-forms, so the pod's other rank is dropped (`replica_lost`), not launched again.
+    # (its processes die one by one): then the failure is that rank's, and the pod's other rank is dropped
+    # before the group re-forms, however its loss is found (`replica_lost` when its node is found gone
+    # first; one full suite on a slow share found it otherwise, its events not kept). Either way the next
+    # generation runs on the other pod alone.
     assert len(failures) == 1, told
     kind = (failures[0].data or {}).get("kind")
-    if kind == "worker_died":
-        assert any(e.kind == "replica_lost" for e in events), told
-    else:
-        assert kind == "node_died", told
+    assert kind in ("worker_died", "node_died"), told
+    after_loss = [e.data for e in events if e.kind == "generation" and e.data][1]
+    assert after_loss["dp"] == 2 and len(after_loss["nodes"]) == 1, told
     assert "chaos" not in failures[0].message, told  # the pacing (slow_worker) is no cause of a death
     recovered = [e for e in events if e.kind == "recovered"]
     assert len(recovered) == 1, [e.kind for e in events]

@@ -162,7 +162,7 @@ def test_one_scheduler_leads_and_another_takes_over_when_its_session_dies(tmp_pa
             while not b.leading:  # a's session is gone; a may win the lock back, else b takes it
                 if a.leading and a._lease._conn is not None and time.monotonic() - t0 > 1.0:
                     break
-                assert time.monotonic() - t0 < 5.0, "no scheduler leads after the leader's session was cut"
+                assert time.monotonic() - t0 < 15.0, "no scheduler leads after the leader's session was cut"
                 time.sleep(0.05)
             print(f"{'b took over' if b.leading else 'a led again'} {time.monotonic() - t0:.2f} s after the cut")
             time.sleep(0.5)  # a learns of a lost lease at its next poll (admission itself is fenced in the store)
@@ -172,7 +172,7 @@ def test_one_scheduler_leads_and_another_takes_over_when_its_session_dies(tmp_pa
             a.stop()  # the leader goes away for good: b leads within a poll
             t0 = time.monotonic()
             while not b.leading:
-                assert time.monotonic() - t0 < 5.0, "the second scheduler did not take over"
+                assert time.monotonic() - t0 < 15.0, "the second scheduler did not take over"
                 time.sleep(0.05)
         finally:
             for s in (a, b):

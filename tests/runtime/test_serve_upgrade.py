@@ -4,6 +4,7 @@ plane meets stored jobs whose specs the new version refuses, and a job whose sup
 The serve process is stopped and started again on the same home (its SQLite store) and address, as an
 upgrade restarts it; the rows an older version wrote are put in the store meanwhile. A queued job with
 such a spec fails with the field and the fix, a running one trains on, and jobs after them are scheduled.
+The running job's worker then ends, and its replacement (a worker of the earlier serve's Ray job) starts.
 Then the running job's supervisor is killed for good from another Ray driver (as an operator, or Ray out
 of restarts, would end it): serve fails the job and releases what it left, so a job that needs every CPU
 of the cluster runs next.
@@ -11,6 +12,8 @@ of the cluster runs next.
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from examples.user_cluster import RayStartCluster, Serve
+from examples.user_cluster import RayStartCluster, Serve, cmdline, session_pids
 from tests.control_plane import store_as_an_older_version_did, until
 from tests.runtime.jobs import paced
 from tests.runtime.test_user_path import LONG, PACE_S, _stop, job_spec
@@ -31,6 +34,12 @@ from checkpointing.naming import NAMESPACE, supervisor_name
 ray.init(address=sys.argv[1], namespace=NAMESPACE, log_to_driver=False)
 ray.kill(ray.get_actor(supervisor_name(sys.argv[2]), namespace=NAMESPACE), no_restart=True)
 """
+
+
+def _workers_on_head(cluster: RayStartCluster) -> list[int]:
+    """The training workers' processes on the cluster's only node (`ray::Worker`, idle or in a method)."""
+    return sorted(p for p in session_pids(cluster.sids[0])
+                  if (t := cmdline(p).split(" ", 1)[0]) == "ray::Worker" or t.startswith("ray::Worker."))
 
 
 def _succeeds(client: Any, job_id: str, timeout: float = 300) -> None:
@@ -80,6 +89,19 @@ def test_serve_upgrade_meets_refused_specs_and_a_lost_supervisor_releases_its_jo
         assert len(told) == 1 and "checkpoint.s3.endpoint_url" in told[0], told
         step = client.get(running.id).progress.step or 0
         until(lambda: (client.get(running.id).progress.step or 0) > step, 120, "the running job's next steps")
+
+        # Its worker ends (SIGTERM, as a kubelet or `kill` sends it): the replacement is a new worker process
+        # of the earlier serve's Ray job, whose driver has exited. The raylet starts it (the job's detached
+        # supervisor keeps that Ray job alive) and the job recovers from the keeper's memory.
+        workers = until(lambda: (w := _workers_on_head(cluster)) and len(w) == 1 and w, 60,
+                        "the running job's worker alone (the job after it has ended)")
+        os.kill(workers[0], signal.SIGTERM)
+        recovered = until(lambda: [e for e in client.events(running.id, follow=False) if e.kind == "recovered"],
+                          180, "the recovery of the earlier serve's job")
+        assert (recovered[0].data or {}).get("lost_steps", 9) <= 1, recovered[0].message
+        assert _workers_on_head(cluster) and workers[0] not in _workers_on_head(cluster)
+        step = client.get(running.id).progress.step or 0
+        until(lambda: (client.get(running.id).progress.step or 0) > step, 120, "the recovered job's next steps")
 
         subprocess.run([sys.executable, "-c", KILL_SUPERVISOR, cluster.address, running.id], env=cluster.env,
                        check=True, timeout=120, cwd=Path(__file__).parents[2])

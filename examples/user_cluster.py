@@ -154,37 +154,50 @@ class RayStartCluster:
 
     def _start_head(self, name: str, *, replaces: bool = False) -> None:
         """Start the head (`replaces`: in place of a killed one, as procs[0] and sids[0]) and wait for its
-        address; a start that fails or times out on a loaded machine is tried once more on the same ports.
+        address; a start that fails or times out on a loaded machine is tried twice more on the same ports.
         The error carries every try's log."""
         logs = []
-        for attempt in range(2):
-            log_name = name if attempt == 0 else f"{name}-retry"
+        for attempt in range(3):
+            log_name = name if attempt == 0 else f"{name}-retry{attempt}"
             logs.append(log_name)
             if replaces:
                 (Path(self.temp) / "ray_current_cluster").unlink(missing_ok=True)
+            started = time.time()
             self._start(log_name, self._head_args, env=self.head_env)
             if replaces:  # procs[0] and sids[0] are the live head's
                 self.procs.insert(0, self.procs.pop())
                 self.sids.insert(0, self.sids.pop())
-            if self._head_address_written():
+            if self._head_address_written(started):
                 return
             self.kill_head()  # whatever of this try still runs, before the next one binds the same ports
             replaces = True  # the next try takes this one's place
         tails = "\n".join(f"--- {n}.log\n{(Path(self.temp) / f'{n}.log').read_text()[-2000:]}" for n in logs)
         raise AssertionError(f"ray start --head did not come up, {len(logs)} tries:\n{tails}")
 
-    def _head_address_written(self, timeout: float = 180.0) -> bool:
+    def _head_address_written(self, started: float, timeout: float = 180.0) -> bool:
         """Wait for the head's address as `ray start` writes it (the machine's address and our port) and take
-        it; False if its `ray start` exited first or the time ran out."""
+        it; False if its `ray start` exited first, its raylet failed, or the time ran out."""
         f = Path(self.temp) / "ray_current_cluster"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if f.exists() and f.read_text().strip():
                 self.address = f.read_text().strip().splitlines()[0]
                 return True
-            if self.procs[0].poll() is not None:
+            if self.procs[0].poll() is not None or self._raylet_failed_since(started):
                 return False
             time.sleep(0.5)
+        return False
+
+    def _raylet_failed_since(self, started: float) -> bool:
+        """Whether the newest session's raylet, written to since `started`, ended waiting for its agent. On a
+        loaded machine the head's raylet exits when its agent writes its port file ~20 s late (a wait Ray
+        does not let us set); `ray start` itself then waited out raylet_start_wait_time_s (beside two busy loops
+        standing in for CI's load, a head and its one retry were each lost so, ~110 s apiece)."""
+        # (raylet.out, or raylet.N.out where a head with GCS fault tolerance took its tries' stored session)
+        for log in (Path(self.temp) / "session_latest" / "logs").glob("raylet*.out"):
+            with contextlib.suppress(OSError):
+                if log.stat().st_mtime >= started and "Timed out waiting for file" in log.read_text(errors="replace"):
+                    return True
         return False
 
     def _start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:

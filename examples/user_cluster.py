@@ -242,8 +242,9 @@ class RayStartCluster:
         return any("raylet" in cmdline(p).split(" ", 1)[0] for p in session_pids(self.node_sids[name]))
 
     def pids_running(self, name: str, title: str) -> list[int]:
-        """The processes of worker node `name` titled `ray::<title>` (idle) or `ray::<title>.<method>`."""
-        return sorted(p for p in session_pids(self.node_sids[name])
+        """The processes of node `name` (a worker node's, or "head") titled `ray::<title>` (idle) or
+        `ray::<title>.<method>`."""
+        return sorted(p for p in session_pids(self.sids[0] if name == "head" else self.node_sids[name])
                       if (h := cmdline(p).split(" ", 1)[0]) == f"ray::{title}" or h.startswith(f"ray::{title}."))
 
     def nodes_running(self, title: str) -> list[str]:

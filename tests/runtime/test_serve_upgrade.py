@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from examples.user_cluster import RayStartCluster, Serve, cmdline, session_pids
+from examples.user_cluster import RayStartCluster, Serve
 from tests.control_plane import store_as_an_older_version_did, until
 from tests.runtime.jobs import paced
 from tests.runtime.test_user_path import LONG, PACE_S, _stop, job_spec
@@ -34,12 +34,6 @@ from checkpointing.naming import NAMESPACE, supervisor_name
 ray.init(address=sys.argv[1], namespace=NAMESPACE, log_to_driver=False)
 ray.kill(ray.get_actor(supervisor_name(sys.argv[2]), namespace=NAMESPACE), no_restart=True)
 """
-
-
-def _workers_on_head(cluster: RayStartCluster) -> list[int]:
-    """The training workers' processes on the cluster's only node (`ray::Worker`, idle or in a method)."""
-    return sorted(p for p in session_pids(cluster.sids[0])
-                  if (t := cmdline(p).split(" ", 1)[0]) == "ray::Worker" or t.startswith("ray::Worker."))
 
 
 def _succeeds(client: Any, job_id: str, timeout: float = 300) -> None:
@@ -93,13 +87,14 @@ def test_serve_upgrade_meets_refused_specs_and_a_lost_supervisor_releases_its_jo
         # Its worker ends (SIGTERM, as a kubelet or `kill` sends it): the replacement is a new worker process
         # of the earlier serve's Ray job, whose driver has exited. The raylet starts it (the job's detached
         # supervisor keeps that Ray job alive) and the job recovers from the keeper's memory.
-        workers = until(lambda: (w := _workers_on_head(cluster)) and len(w) == 1 and w, 60,
+        workers = until(lambda: (w := cluster.pids_running("head", "Worker")) and len(w) == 1 and w, 60,
                         "the running job's worker alone (the job after it has ended)")
         os.kill(workers[0], signal.SIGTERM)
         recovered = until(lambda: [e for e in client.events(running.id, follow=False) if e.kind == "recovered"],
                           180, "the recovery of the earlier serve's job")
         assert (recovered[0].data or {}).get("lost_steps", 9) <= 1, recovered[0].message
-        assert _workers_on_head(cluster) and workers[0] not in _workers_on_head(cluster)
+        after = cluster.pids_running("head", "Worker")
+        assert after and workers[0] not in after, (workers, after)  # a new worker process took its place
         step = client.get(running.id).progress.step or 0
         until(lambda: (client.get(running.id).progress.step or 0) > step, 120, "the recovered job's next steps")
 

@@ -148,8 +148,8 @@ class Worker:
         job's data (tokenized once per process, cached: parallel.data.corpus), build the model on the
         meta device (its code imported and traced once) and open its checkpoint store (an S3 client is
         made once per process), so a spare that joins a generation later only forms the group, shards and
-        restores. A problem here is left to the start-up probe and the
-        generation's own build to report with their reasons; `warm` in the answer says what happened."""
+        restores. A problem here is left to the start-up probe and the generation's own build to report
+        with their reasons; `warm` in the answer says what happened."""
         t0 = time.perf_counter()
         warmed = warm_up(self.cfg, self._device(0))
         store_error = open_checkpoint_store(self.ckpt_cfg, checkpoint_root(self.ckpt_cfg, self.opts.output_dir))

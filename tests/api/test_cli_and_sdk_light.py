@@ -114,6 +114,20 @@ def test_serve_token_file_cli_and_restart(served: Served, tmp_path: Path) -> Non
     bad.write_text("parallelism: {tp: 3}\ntraining: {stepz: 1}\n")
     r = runner.invoke(app, ["submit", str(bad)])
     assert r.exit_code == 2 and "training.stepz" in r.output and "Extra inputs" in r.output, r.output
+    # The object store's settings are checked at submission, not when a worker first writes.
+    for spec, words in (
+        ("{uri: 's3://ckpt/run', s3: {endpoint_url: '127.0.0.1:8333'}}",
+         ("checkpoint.s3.endpoint_url", "must start with http:// or https://")),
+        ("{uri: 's3://ckpt/run', s3: {access_key_id: AKID}}",
+         ("checkpoint.s3", "access_key_id is set without secret_access_key", "set both, or neither")),
+        ("{uri: 'ckpt/run'}", ("checkpoint.uri", "must start with file:// or s3://")),
+    ):
+        bad.write_text(f"name: bad-store\nmodel: {{preset: tiny}}\ncheckpoint: {spec}\n")
+        r = runner.invoke(app, ["submit", str(bad)])
+        assert r.exit_code == 2 and all(w in r.output for w in words), r.output
+        assert "AKID" not in r.output  # a key is never echoed back
+    r = runner.invoke(app, ["list"])
+    assert r.exit_code == 0 and "bad-store" not in r.output  # nothing refused was stored
 
     r = runner.invoke(app, ["delete", job_id])
     assert r.exit_code == 1 and "cancel it" in r.output

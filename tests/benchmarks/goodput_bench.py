@@ -300,7 +300,8 @@ def run_ours(tmp: Path, cluster: Any, faults: list[Fault], spares: int = 0, dp: 
     steps = [(int(r["step"]), float(r["end_time"]), float(r["loss"])) for r in rows]
     lost = sum(int(e["data"].get("lost_steps") or 0) for e in run.of("recovered"))
     _ensure_node_b(cluster)
-    detail = [f"{e['kind']}: {e.get('message', '')}" for e in run.events
+    # An event's message is clipped (a failure's may carry a traceback); the lines computed below are printed whole.
+    detail = [f"{e['kind']}: {e.get('message', '')}"[:300] for e in run.events
               if e["kind"] in ("recovered", "spare_swapped", "resized", "recovery_interrupted")]
     # The pauses by the supervisor's own rule (service.supervisor.pauses: its recovered and resumed events').
     at = {int(r["step"]): i for i, r in enumerate(rows)}
@@ -481,7 +482,7 @@ def measure(names: list[str], faults: list[Fault], tmp: Path | None = None) -> t
                 print(f"  {name}: faulty {faulty.wall_s:.1f}s (load average {os.getloadavg()[0]:.1f}); fired: "
                       f"{'; '.join(faulty.fired)}", flush=True)
                 for line in faulty.detail:
-                    print(f"    {line[:300]}", flush=True)
+                    print(f"    {line}", flush=True)
                 arm = Arm(free, faulty, note)
                 if name != "raytrain":  # its fault-free run lasts ~10 min and its ETTR is ~0.25: drift is noise there
                     # The fault-free run's own settings (TorchFT: the timeout its calibration chose, not a new one).

@@ -237,14 +237,18 @@ class RayStartCluster:
                          f"{log.read_text(errors='replace')[-1500:]}")
         raise AssertionError(f"ray start of node {name} failed 3 times:\n" + "\n".join(tails))
 
+    def node_session(self, name: str) -> int:
+        """The session of node `name`'s `ray start`: "head" (the live head's, after a restart too) or a worker node's."""
+        return self.sids[0] if name == "head" else self.node_sids[name]
+
     def node_alive(self, name: str) -> bool:
         """Whether the node's raylet still runs."""
-        return any("raylet" in cmdline(p).split(" ", 1)[0] for p in session_pids(self.node_sids[name]))
+        return any("raylet" in cmdline(p).split(" ", 1)[0] for p in session_pids(self.node_session(name)))
 
     def pids_running(self, name: str, title: str) -> list[int]:
         """The processes of node `name` (a worker node's, or "head") titled `ray::<title>` (idle) or
         `ray::<title>.<method>`."""
-        return sorted(p for p in session_pids(self.sids[0] if name == "head" else self.node_sids[name])
+        return sorted(p for p in session_pids(self.node_session(name))
                       if (h := cmdline(p).split(" ", 1)[0]) == f"ray::{title}" or h.startswith(f"ray::{title}."))
 
     def nodes_running(self, title: str) -> list[str]:

@@ -1,15 +1,20 @@
 """ParallelDims: a layout's sizes, checked against the layout rules (parallel/layout_rules.py), and
 its DeviceMesh. Importing this module loads no torch; only `ParallelDims.build_mesh` does.
 
-The mesh always has every named dimension, even those of size 1, so other code can ask for
-`dims.get_mesh(mesh, "tp")` or `"pp"` without asking first whether that dimension is in use
-(use `get_mesh` rather than `mesh[name]`: it also returns the flattened sub-meshes):
+The mesh has only the dimensions of size > 1 (as torchtitan builds it): torch makes a process group
+for each group of every mesh dimension, and with gloo each is a store barrier on every rank, so
+the 4 size-1 dims of a 1-D FSDP layout cost 4 x world `new_group` calls at each (re-)form (20-90 ms
+for 4 ranks on 2 cores) that no collective ever used. Two size-1 dims stay where a mesh is built
+over them: "dp_shard" under HSDP (its 2-D FSDP mesh is (dp_replicate, dp_shard_cp)) and the two
+parts of dp_shard under ep. Ask for a sub-mesh only where its dimension is in use (`*_enabled`);
+use `get_mesh` rather than `mesh[name]`: it also returns the flattened sub-meshes.
 
-    base dims (outer -> inner): "pp", "dp_replicate", "dp_shard", "cp", "tp"
+    dims (outer -> inner): "pp", "dp_replicate", "dp_shard", "cp", "tp"
     with ep > 1, "dp_shard" is split into "dp_shard_mod_ep" x "dp_shard_in_ep" (as torchtitan does),
     so that experts can be sharded over "ep" = dp_shard_in_ep x cp.
 
-Flattened sub-meshes (torchtitan's names):
+Flattened sub-meshes (torchtitan's names), each over those of its dims that the mesh has (absent
+where it has none of them, i.e. where its size is 1):
     "dp"          = dp_replicate x dp_shard       -- data loading: which slice of the global batch
     "dp_shard_cp" = dp_shard x cp                 -- FSDP shards parameters over this
     "dp_cp"       = dp_replicate x dp_shard x cp  -- the loss (token sums) is all-reduced over this
@@ -156,13 +161,23 @@ class ParallelDims:
         return local_batch_size(global_batch_size, self.dp)
 
     # --- mesh --------------------------------------------------------------------------------
+    def _all_dims(self) -> list[tuple[str, int]]:
+        shard = ([("dp_shard_mod_ep", self.dp_shard_mod_ep), ("dp_shard_in_ep", self.dp_shard_in_ep)]
+                 if self.ep > 1 else [("dp_shard", self.dp_shard)])  # fmt: skip
+        return [("pp", self.pp), ("dp_replicate", self.dp_replicate), *shard, ("cp", self.cp), ("tp", self.tp)]
+
+    def _mesh_dims(self) -> list[tuple[str, int]]:
+        """The dims the mesh is built with (see the module's docstring for which size-1 dims stay)."""
+        keep = {"dp_shard"} if self.dp_replicate > 1 else set()
+        if self.ep > 1:
+            keep = {"dp_shard_mod_ep", "dp_shard_in_ep"}
+        return [(n, s) for n, s in self._all_dims() if s > 1 or n in keep]
+
     def mesh_dim_names(self) -> tuple[str, ...]:
-        shard = ("dp_shard_mod_ep", "dp_shard_in_ep") if self.ep > 1 else ("dp_shard",)
-        return ("pp", "dp_replicate", *shard, "cp", "tp")
+        return tuple(n for n, _ in self._mesh_dims())
 
     def mesh_shape(self) -> tuple[int, ...]:
-        shard = (self.dp_shard_mod_ep, self.dp_shard_in_ep) if self.ep > 1 else (self.dp_shard,)
-        return (self.pp, self.dp_replicate, *shard, self.cp, self.tp)
+        return tuple(s for _, s in self._mesh_dims())
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """The world mesh with its flattened sub-meshes; a collective: call on every rank."""
@@ -171,26 +186,36 @@ class ParallelDims:
         from parallel.dist import reset_dtensor_caches
 
         reset_dtensor_caches()  # a re-formed group's meshes equal the old ones: drop stale cache hits
-        mesh = init_device_mesh(device_type, self.mesh_shape(), mesh_dim_names=self.mesh_dim_names())
+        names = self.mesh_dim_names()
+        mesh = init_device_mesh(device_type, self.mesh_shape(), mesh_dim_names=names)
         shard = ("dp_shard_mod_ep", "dp_shard_in_ep") if self.ep > 1 else ("dp_shard",)
         self._flat = {}
+
+        def flatten(parts: tuple[str, ...], name: str) -> None:
+            present = tuple(p for p in parts if p in names)
+            if present:
+                self._flat[name] = mesh[present]._flatten(name)
+
         if self.ep > 1:
-            self._flat["dp_shard"] = mesh[shard]._flatten("dp_shard")
-            self._flat["ep"] = mesh[("dp_shard_in_ep", "cp")]._flatten("ep")
-        self._flat["dp"] = mesh[("dp_replicate", *shard)]._flatten("dp")
-        self._flat["dp_shard_cp"] = mesh[(*shard, "cp")]._flatten("dp_shard_cp")
-        self._flat["dp_cp"] = mesh[("dp_replicate", *shard, "cp")]._flatten("dp_cp")
+            flatten(shard, "dp_shard")
+            flatten(("dp_shard_in_ep", "cp"), "ep")
+        flatten(("dp_replicate", *shard), "dp")
+        flatten((*shard, "cp"), "dp_shard_cp")
+        flatten(("dp_replicate", *shard, "cp"), "dp_cp")
         return mesh
 
     def get_mesh(self, mesh: DeviceMesh, names: str | tuple[str, ...]) -> DeviceMesh:
-        """A sub-mesh by name: a base dim ("tp", "pp", ...), a flattened one ("dp", "dp_shard_cp",
-        "dp_cp", "ep"), or a tuple of them (e.g. ("dp_replicate", "dp_shard_cp") for HSDP)."""
+        """A sub-mesh by name: a dim the mesh has ("tp", "pp", ...), a flattened one ("dp",
+        "dp_shard_cp", "dp_cp", "ep"), or a tuple of them (e.g. ("dp_replicate", "dp_shard_cp") for
+        HSDP). Raises KeyError for one the mesh lacks because its size is 1."""
         if isinstance(names, str):
-            if names in self._flat:
-                return self._flat[names]
-            return mesh[names]
+            names = (names,)
+        missing = [n for n in names if n not in self._flat and n not in (mesh.mesh_dim_names or ())]
+        if missing:
+            raise KeyError(f"the mesh has no {missing} dimension: only dims of size > 1 are built "
+                           f"(sizes {dict(self._all_dims())}); ask for it only where it is in use")
         if len(names) == 1:
-            return self.get_mesh(mesh, names[0])
+            return self._flat[names[0]] if names[0] in self._flat else mesh[names[0]]
         with warnings.catch_warnings():
             # torch >= 2.11 warns that slicing flattened dims from the root will go away; a
             # multi-dim slice mixing base and flattened dims has no other spelling on 2.11 yet.
@@ -205,4 +230,4 @@ class ParallelDims:
 
     def dp_rank(self, mesh: DeviceMesh | None) -> int:
         """This rank's index among the dp slices of the global batch."""
-        return 0 if mesh is None else self.get_mesh(mesh, "dp").get_local_rank()
+        return 0 if mesh is None or self.dp == 1 else self.get_mesh(mesh, "dp").get_local_rank()

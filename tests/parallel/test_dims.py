@@ -110,24 +110,46 @@ def fake_world() -> Any:
 
 
 @pytest.mark.parametrize(
-    ("sizes", "rank", "expected"),
+    ("sizes", "rank", "expected", "absent"),
     [
         # HSDP 2x2 with tp 2: tp innermost, so rank 5 = (rep 1, shard 0, tp 1).
         ({"dp_replicate": 2, "tp": 2}, 5,
-         {"tp": 2, "dp": 4, "dp_shard_cp": 2, "dp_cp": 4, "pp": 1, "cp": 1, "dp_replicate": 2}),
-        ({"cp": 2, "tp": 2}, 3, {"tp": 2, "cp": 2, "dp": 2, "dp_shard_cp": 4, "dp_cp": 4}),
-        ({"pp": 2}, 6, {"pp": 2, "dp": 4, "dp_shard": 4, "tp": 1}),
-        ({"ep": 4, "cp": 2}, 1, {"ep": 4, "dp_shard": 4, "dp_shard_cp": 8, "dp": 4, "dp_shard_in_ep": 2}),
+         {"tp": 2, "dp": 4, "dp_shard_cp": 2, "dp_cp": 4, "dp_replicate": 2}, ["pp", "cp"]),
+        ({"cp": 2, "tp": 2}, 3, {"tp": 2, "cp": 2, "dp": 2, "dp_shard_cp": 4, "dp_cp": 4}, ["pp", "dp_replicate"]),
+        ({"pp": 2}, 6, {"pp": 2, "dp": 4, "dp_shard": 4}, ["tp", "cp", "dp_replicate"]),
+        ({"ep": 4, "cp": 2}, 1, {"ep": 4, "dp_shard": 4, "dp_shard_cp": 8, "dp": 4, "dp_shard_in_ep": 2,
+                                 "dp_shard_mod_ep": 2}, ["tp", "pp"]),
+        # HSDP without sharding keeps its size-1 shard dim: FSDP's mesh is 2-D under HSDP.
+        ({"dp_replicate": 4, "tp": 2}, 2, {"dp_replicate": 4, "dp_shard": 1, "dp_shard_cp": 1, "dp": 4}, ["cp"]),
+        ({"tp": 8}, 3, {"tp": 8}, ["dp", "dp_cp", "dp_shard_cp", "dp_shard"]),
     ],
 )
-def test_mesh_names_and_sizes(fake_world: Any, sizes: dict[str, int], rank: int, expected: dict[str, int]) -> None:
+def test_mesh_names_and_sizes(fake_world: Any, sizes: dict[str, int], rank: int, expected: dict[str, int],
+                              absent: list[str]) -> None:
     fake_world(8, rank)
     d = dims(8, **sizes)
     mesh = d.build_mesh("cpu")
     assert mesh.mesh_dim_names == d.mesh_dim_names()
     for name, size in expected.items():
         assert d.get_mesh(mesh, name).size() == size, name
+    for name in absent:  # size 1: not built, and asking for it says so
+        with pytest.raises(KeyError, match=f"no \\['{name}'\\] dimension: only dims of size > 1"):
+            d.get_mesh(mesh, name)
     assert 0 <= d.dp_rank(mesh) < d.dp
+
+
+def test_fsdp_mesh_makes_no_group(fake_world: Any) -> None:
+    """A 1-D FSDP layout's mesh and every flattened sub-mesh are the default group: a (re-)form makes
+    no process group (the full 5-dim mesh made 4 x world of them, one store barrier each)."""
+    fake_world(4, 2)
+    d = dims(4)
+    mesh = d.build_mesh("cpu")
+    assert mesh.mesh_dim_names == ("dp_shard",)
+    default = dist.distributed_c10d._get_default_group()
+    for name in ("dp_shard", "dp", "dp_shard_cp", "dp_cp"):
+        assert d.get_mesh(mesh, name).get_group() is default, name
+    assert d.fsdp_mesh(mesh).mesh_dim_names == ("dp_shard_cp",)
+    assert d.dp_rank(mesh) == 2
 
 
 def test_dp_rank_layout(fake_world: Any) -> None:

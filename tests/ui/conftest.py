@@ -12,6 +12,7 @@ import shutil
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -65,6 +66,13 @@ def browser() -> Iterator[Any]:
             yield b
         finally:
             b.close()
+
+
+def screenshot(page: Any, path: Path, *, full_page: bool = True) -> None:
+    """A picture of the page for people to look at, not a check: Playwright's 30 s default for an action
+    ran out on a full-page screenshot beside two training test files on these 2 cores (2026-12-08), so
+    it gets longer."""
+    page.screenshot(path=str(path), full_page=full_page, timeout=120_000)
 
 
 @dataclass

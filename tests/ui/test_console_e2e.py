@@ -23,7 +23,7 @@ from api.ui.sessions import COOKIE
 from service.local_cluster import LocalCluster
 from tests.control_plane import ControlPlane, until
 from tests.runtime.conftest import make_cluster
-from tests.ui.conftest import Recorder, login, nav, no_secret_in, openapi_of, undocumented
+from tests.ui.conftest import Recorder, login, nav, no_secret_in, openapi_of, screenshot, undocumented
 
 SECRET = "e2e-console-secret-a61d"
 KILL_STEP = 8
@@ -114,7 +114,7 @@ def test_console_end_to_end(browser: Any, cluster: LocalCluster, tmp_path: Path)
     try:
         url = cp.server.url
         login(page, url, cp.token, next_path="/ui/submit")
-        page.screenshot(path=str(shots / "submit-empty.png"), full_page=True)
+        screenshot(page, shots / "submit-empty.png")
 
         # 1. The second job, submitted through the SDK, runs while we submit the first from the page.
         with cp.client() as c:
@@ -124,7 +124,7 @@ def test_console_end_to_end(browser: Any, cluster: LocalCluster, tmp_path: Path)
         editor.fill(chaos_yaml(tmp_path / "chaos", corpus(tmp_path / "data")))
         expect(page.locator("#spec-state")).to_have_text("The spec is valid.", timeout=30_000)
         expect(page.locator("#spec-plan")).to_contain_text("Fits")
-        page.screenshot(path=str(shots / "submit.png"), full_page=True)
+        screenshot(page, shots / "submit.png")
         page.get_by_role("button", name="Submit job").click()
         page.wait_for_url("**/ui/jobs/*", timeout=30_000)
         job_id = page.url.rsplit("/", 1)[1]
@@ -169,16 +169,16 @@ def test_console_end_to_end(browser: Any, cluster: LocalCluster, tmp_path: Path)
         # The job's goodput (GET .../goodput) among its facts, the recovery's pause in it.
         expect(page.locator("#job-facts")).to_contain_text(
             re.compile(r"Goodput\s*[01]\.\d\d of [^;]+ in steps; paused [^;]+ in \d+ re-forms?"))
-        page.screenshot(path=str(shots / "job.png"), full_page=True)
+        screenshot(page, shots / "job.png")
         if os.environ.get("UNBROKEN_UPDATE_SCREENSHOT") == "1":
             page.evaluate("window.scrollTo(0, 0)")
-            page.screenshot(path=str(DOCS_SHOT), full_page=False)
+            screenshot(page, DOCS_SHOT, full_page=False)
 
         # 3. The jobs list and the cluster page while the second job runs.
         nav(page, "Jobs")
         expect(page.locator(f'tr[data-job-id="{job_id}"] .badge')).to_have_text("SUCCEEDED")
         expect(page.locator(f'tr[data-job-id="{long_job}"]')).to_be_visible()
-        page.screenshot(path=str(shots / "jobs.png"), full_page=True)
+        screenshot(page, shots / "jobs.png")
         with cp.client() as c:
             until(lambda: c.get(long_job).status == "RUNNING", 180, "the second job to run")
             # A third job fits the cluster but not what is free while the second runs: it waits.
@@ -198,7 +198,7 @@ def test_console_end_to_end(browser: Any, cluster: LocalCluster, tmp_path: Path)
         expect(queued).to_contain_text("waiting for 3 CPU", timeout=15_000)
         assert queued.locator("td").first.inner_text() == "1"
         no_secret_in(page, SECRET, cp.token)
-        page.screenshot(path=str(shots / "cluster.png"), full_page=True)
+        screenshot(page, shots / "cluster.png")
         with cp.client() as c:
             c.cancel(waiting_job)
 
@@ -209,7 +209,7 @@ def test_console_end_to_end(browser: Any, cluster: LocalCluster, tmp_path: Path)
         expect(page.locator("#snapshots tbody")).to_contain_text("head", timeout=20_000)
         page.get_by_role("button", name="Cancel job").click()
         expect(page.locator("#confirm")).to_be_visible()
-        page.screenshot(path=str(shots / "cancel-confirm.png"))
+        screenshot(page, shots / "cancel-confirm.png", full_page=False)
         page.get_by_role("button", name="Cancel the job").click()
         expect(page.locator("#job-status")).to_have_text("CANCELLED", timeout=120_000)
         assert cp.store.get_job(long_job).status == "CANCELLED"  # type: ignore[union-attr]
@@ -220,14 +220,14 @@ def test_console_end_to_end(browser: Any, cluster: LocalCluster, tmp_path: Path)
         # The shape's defaults come with the page (no script sets them after the user could change them).
         expect(page.locator("#plan-gpus")).to_have_value("8")
         expect(page.locator("#plan-gpu")).to_have_value("h100")
-        page.screenshot(path=str(shots / "plan.png"), full_page=True)
+        screenshot(page, shots / "plan.png")
 
         # 5. Log out: the pages send us to the login page, and the old cookie opens nothing.
         old = next(c["value"] for c in ctx.cookies() if c["name"] == COOKIE)
         page.get_by_role("button", name="Log out").click()
         page.wait_for_url("**/ui/login?bye=1")
         expect(page.get_by_role("status")).to_have_text("You are logged out.")
-        page.screenshot(path=str(shots / "logged-out.png"), full_page=True)
+        screenshot(page, shots / "logged-out.png")
         for path in ("/ui/jobs", f"/ui/jobs/{job_id}", "/ui/cluster", "/ui/submit", "/ui/plan"):
             page.goto(f"{url}{path}")
             assert "/ui/login?next=" in page.url, path

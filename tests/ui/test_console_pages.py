@@ -20,7 +20,7 @@ from api.server import BackgroundServer
 from service.spec import parse_spec
 from service.store import JobStore
 from tests.benchmarks.api_bench import populate
-from tests.ui.conftest import Recorder, login, nav, no_secret_in, openapi_of, undocumented
+from tests.ui.conftest import Recorder, login, nav, no_secret_in, openapi_of, screenshot, undocumented
 
 N_JOBS = 10_000
 SECRET = "pages-secret-value-5b7e"
@@ -107,12 +107,12 @@ def check_page(page: Any, shots: Path, name: str, rec: Recorder, *secrets: str) 
     assert page.evaluate(UNLABELLED_JS) == [], name
     assert page.evaluate(LOW_CONTRAST_JS) == [], name
     no_secret_in(page, *secrets)
-    page.screenshot(path=str(shots / f"{name}.png"), full_page=True)
+    screenshot(page, shots / f"{name}.png")
     page.set_viewport_size(NARROW)
     page.wait_for_timeout(300)
     overflow = page.evaluate("() => document.documentElement.scrollWidth - window.innerWidth")
     assert overflow <= 1, f"{name} is {overflow}px wider than a {NARROW['width']}px window"
-    page.screenshot(path=str(shots / f"{name}-narrow.png"), full_page=True)
+    screenshot(page, shots / f"{name}-narrow.png")
     page.set_viewport_size(WIDE)
 
 

@@ -161,16 +161,20 @@ class ParallelDims:
         return local_batch_size(global_batch_size, self.dp)
 
     # --- mesh --------------------------------------------------------------------------------
+    def _shard_dims(self) -> list[tuple[str, int]]:
+        """dp_shard as the mesh has it: split in two under ep (see the module's docstring)."""
+        if self.ep > 1:
+            return [("dp_shard_mod_ep", self.dp_shard_mod_ep), ("dp_shard_in_ep", self.dp_shard_in_ep)]
+        return [("dp_shard", self.dp_shard)]
+
     def _all_dims(self) -> list[tuple[str, int]]:
-        shard = ([("dp_shard_mod_ep", self.dp_shard_mod_ep), ("dp_shard_in_ep", self.dp_shard_in_ep)]
-                 if self.ep > 1 else [("dp_shard", self.dp_shard)])  # fmt: skip
-        return [("pp", self.pp), ("dp_replicate", self.dp_replicate), *shard, ("cp", self.cp), ("tp", self.tp)]
+        return [("pp", self.pp), ("dp_replicate", self.dp_replicate), *self._shard_dims(), ("cp", self.cp),
+                ("tp", self.tp)]
 
     def _mesh_dims(self) -> list[tuple[str, int]]:
-        """The dims the mesh is built with (see the module's docstring for which size-1 dims stay)."""
-        keep = {"dp_shard"} if self.dp_replicate > 1 else set()
-        if self.ep > 1:
-            keep = {"dp_shard_mod_ep", "dp_shard_in_ep"}
+        """The dims the mesh is built with: those of size > 1, and the shard dims where a mesh is built
+        over them at size 1 (HSDP's 2-D FSDP mesh, ep's expert mesh)."""
+        keep = {n for n, _ in self._shard_dims()} if self.ep > 1 or self.dp_replicate > 1 else set()
         return [(n, s) for n, s in self._all_dims() if s > 1 or n in keep]
 
     def mesh_dim_names(self) -> tuple[str, ...]:
@@ -188,7 +192,7 @@ class ParallelDims:
         reset_dtensor_caches()  # a re-formed group's meshes equal the old ones: drop stale cache hits
         names = self.mesh_dim_names()
         mesh = init_device_mesh(device_type, self.mesh_shape(), mesh_dim_names=names)
-        shard = ("dp_shard_mod_ep", "dp_shard_in_ep") if self.ep > 1 else ("dp_shard",)
+        shard = tuple(n for n, _ in self._shard_dims())
         self._flat = {}
 
         def flatten(parts: tuple[str, ...], name: str) -> None:
